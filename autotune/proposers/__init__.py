@@ -1,0 +1,1 @@
+"""Proposers: where the next trial configuration comes from."""

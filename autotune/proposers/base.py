@@ -1,0 +1,51 @@
+"""The proposer contract. Every proposer (Bayesian, rules, hybrid, random, grid)
+implements it; the tuning loop and the benchmark only talk to this interface.
+
+- `ask()` returns the next configuration to run, with who proposed it and why.
+- `tell(config, result)` reports any finished trial, whoever proposed it
+  (including the baseline and trials told back after a resume).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+from autotune.space import SearchSpace, TrialConfig
+
+STATUS_OK = "ok"
+STATUS_FAILED = "failed"
+
+
+@dataclass(kw_only=True, slots=True)
+class Proposal:
+    config: TrialConfig
+    source: str
+    """Who proposed it: baseline, bayes, rule:<id>, random, grid, ..."""
+    reason: str = ""
+
+
+@dataclass(kw_only=True, slots=True)
+class TrialResult:
+    status: str
+    """"ok" or "failed"."""
+    samples_per_second: float = 0.0
+    """Median throughput; 0 for failed trials."""
+    failure_reason: str | None = None
+    """Classified reason for a failed trial: oom, timeout, crash, nan, no_metrics, ..."""
+    summary: object | None = None
+    """The trial's TrialSummary when available (rules read it)."""
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.status == STATUS_OK
+
+
+@runtime_checkable
+class Proposer(Protocol):
+    space: SearchSpace
+
+    def ask(self) -> Proposal: ...
+
+    def tell(self, config: TrialConfig, result: TrialResult) -> None: ...

@@ -1,0 +1,142 @@
+"""The metrics CSV schema: one row per rank per optimizer step.
+
+This is the stable contract between the instrumentation (writer), the
+summaries, `autotune advise` (reader) and the Prometheus exporter. Adding a
+column at the end is backwards compatible; renaming or removing one is not.
+An empty cell means "not available" (for example fragmentation on CPU),
+never zero.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+SCHEMA_VERSION = 1
+
+
+@dataclass(kw_only=True, slots=True)
+class StepRecord:
+    """What one rank measured in one optimizer step (one `train_batch()`)."""
+
+    time: float
+    """Unix time at the end of the step."""
+    trial: int
+    """Trial number within the study (0 = baseline); -1 outside a study."""
+    rank: int
+    """Global rank."""
+    stage: int
+    """Pipeline stage id of this rank."""
+    step: int
+    """Optimizer step index within the trial, from 0."""
+    warmup: int
+    """1 for warm-up steps (recorded, excluded from summaries), else 0."""
+    step_seconds: float
+    """Wall time of the whole `train_batch()` on this rank."""
+    samples_per_second: float
+    """Global samples in the step / step_seconds (micro x GAS x dp / step)."""
+    tokens_per_second: float
+    """samples_per_second x sequence length."""
+    compute_seconds: float
+    """Forward + backward + optimizer-step instruction time."""
+    comm_seconds: float
+    """Send activations/grads + data-parallel and tied gradient reduction."""
+    wait_seconds: float
+    """Receive instructions: waiting for the peer stage (the bubble) plus the receive."""
+    data_seconds: float
+    """LoadMicroBatch instruction time (the data loader)."""
+    device_utilization: float
+    """0-1. GPU: mean NVML utilization over the step. CPU: busy fraction compute/step."""
+    memory_allocated_bytes: float | None = None
+    """CUDA caching allocator: allocated bytes at step end. None on CPU."""
+    memory_reserved_bytes: float | None = None
+    """CUDA caching allocator: reserved bytes at step end. None on CPU."""
+    memory_fragmentation_ratio: float | None = None
+    """1 - allocated/reserved on CUDA. None ("not available") on CPU."""
+    loss: float | None = None
+    """Mean loss of the step; only the last stage has it."""
+    micro_batch_size: int
+    gradient_accumulation_steps: int
+    reduce_bucket_size: int | None = None
+    """None when the config does not set it (or it cannot act)."""
+    pipeline_stages: int
+    data_parallel_size: int
+    seq_length: int = 0
+    memory_peak_bytes: float | None = None
+    """CUDA peak allocated bytes in the step; on CPU the process peak RSS."""
+    memory_inactive_split_bytes: float | None = None
+    """CUDA inactive split bytes (second fragmentation view). None on CPU."""
+    loss_scale: float | None = None
+    """fp16 dynamic loss scale where used."""
+    device: str = "cpu"
+    """Device name, e.g. cpu or cuda:0."""
+    host: str = ""
+
+
+CSV_COLUMNS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(StepRecord))
+"""Column order of the metrics CSV (the field order above)."""
+
+REQUIRED_COLUMNS: tuple[str, ...] = (
+    "time", "trial", "rank", "stage", "step", "step_seconds", "samples_per_second",
+    "tokens_per_second", "compute_seconds", "comm_seconds", "device_utilization",
+    "memory_allocated_bytes", "memory_reserved_bytes", "memory_fragmentation_ratio",
+    "loss", "micro_batch_size", "gradient_accumulation_steps", "reduce_bucket_size",
+    "pipeline_stages", "data_parallel_size",
+)
+
+_INT_COLUMNS = {
+    f.name for f in dataclasses.fields(StepRecord) if f.type in ("int", "int | None")
+}
+_STR_COLUMNS = {"device", "host"}
+
+
+def format_cell(value: object) -> str:
+    """CSV cell text: empty for None/NaN ("not available"), repr-exact floats."""
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        if math.isnan(value):
+            return ""
+        return repr(value)
+    return str(value)
+
+
+def record_to_row(record: StepRecord) -> list[str]:
+    return [format_cell(getattr(record, name)) for name in CSV_COLUMNS]
+
+
+def row_to_record(row: dict[str, str]) -> StepRecord:
+    """Parse one CSV row (as csv.DictReader gives it) back into a StepRecord."""
+    values: dict[str, object] = {}
+    for name in CSV_COLUMNS:
+        cell = row.get(name, "")
+        cell = "" if cell is None else cell.strip()
+        if name in _STR_COLUMNS:
+            values[name] = cell
+        elif cell == "":
+            values[name] = None
+        elif name in _INT_COLUMNS:
+            values[name] = int(float(cell))
+        else:
+            values[name] = float(cell)
+    return StepRecord(**{k: v for k, v in values.items() if v is not None or _optional(k)})
+
+
+def _optional(name: str) -> bool:
+    f = _FIELDS[name]
+    return f.default is not dataclasses.MISSING
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(StepRecord)}
+
+
+@dataclass(kw_only=True, slots=True)
+class RankSnapshot:
+    """The latest state of one rank, read by the Prometheus collector at each scrape."""
+
+    last: StepRecord | None = None
+    steps_total: int = 0
+    samples_total: float = 0.0
+    step_seconds_history: list[float] = field(default_factory=list)
+    utilization_window: list[float] = field(default_factory=list)
