@@ -55,7 +55,7 @@ def iter_metrics_csv(path: str | Path) -> Iterator[StepRecord]:
             raise InputFileError(f"{p}: not an autotune metrics CSV, missing columns: {', '.join(missing)}")
         line = 1
         try:
-            for line, row in enumerate(reader, start=2):
+            for line, row in enumerate(reader, start=2):  # noqa: B007 - used in the error
                 yield row_to_record(row)
         except (ValueError, TypeError) as exc:
             raise InputFileError(f"{p}: line {line}: bad value ({exc})") from None

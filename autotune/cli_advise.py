@@ -1,0 +1,125 @@
+"""`autotune advise` and `autotune check`: parse arguments, call the advisor, print.
+
+Registered in the main group by autotune.cli. Every UserError becomes one
+line on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import click
+
+from autotune.advisor import evaluate, load_rules, patch_config
+from autotune.advisor.report import print_table, to_json
+from autotune.dsconfig import load_ds_config
+from autotune.errors import UserError
+
+
+def _user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """One line on stderr and exit 2 for user errors, never a traceback."""
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except UserError as exc:
+            click.echo(f"error: {exc}", err=True)
+            raise SystemExit(exc.exit_code) from None
+    return wrapper
+
+
+_FORMAT = click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table",
+                       show_default=True, help="Output format.")
+_RULES = click.option("--rules", "rule_files", multiple=True, type=click.Path(dir_okay=False),
+                      help="Extra rule file (TOML); repeatable. Same id replaces a built-in rule.")
+
+
+@click.command("advise")
+@click.argument("metrics", type=click.Path(dir_okay=False))
+@click.option("--config", "config_path", type=click.Path(dir_okay=False),
+              help="The ds_config.json the metrics were measured with (enables config rules).")
+@_FORMAT
+@click.option("--write-config", "write_path", type=click.Path(dir_okay=False),
+              help="Write the config with the proposed changes applied (needs --config).")
+@_RULES
+@_user_errors
+def advise_command(metrics: str, config_path: str | None, fmt: str, write_path: str | None,
+                   rule_files: tuple[str, ...]) -> None:
+    """Recommendations from METRICS: an autotune metrics CSV, nvidia-smi CSV or Prometheus export."""
+    from autotune.loaders import load_input
+
+    if write_path and not config_path:
+        raise UserError("--write-config needs --config (the ds_config.json to patch)")
+    if write_path and config_path and _same_file(write_path, config_path):
+        raise UserError(f"--write-config {write_path} would overwrite the input config; choose a new file")
+    rules = load_rules(rule_files)
+    loaded = load_input(metrics)
+    cfg = load_ds_config(config_path) if config_path else None
+    ctx = {"config_name": Path(config_path).name} if config_path else None
+    findings = evaluate(loaded.subjects, ds_config=cfg, rules=rules, context=ctx)
+    if write_path and cfg is not None:
+        _write_json_atomic(Path(write_path), patch_config(cfg, findings))
+    if fmt == "json":
+        click.echo(to_json(findings, input=metrics, format=loaded.format, notes=loaded.notes,
+                           written_config=write_path))
+    else:
+        print_table(findings, title=f"autotune advise: {metrics} ({loaded.format})", notes=loaded.notes)
+        if write_path:
+            click.echo(f"\nwrote patched config to {write_path}")
+
+
+@click.command("check")
+@click.argument("config", type=click.Path(dir_okay=False))
+@click.option("--stages", type=click.IntRange(min=1), help="Pipeline stages (enables batch-layout rules).")
+@click.option("--world-size", type=click.IntRange(min=1), help="Total ranks (with --stages).")
+@_FORMAT
+@_RULES
+@_user_errors
+def check_command(config: str, stages: int | None, world_size: int | None, fmt: str,
+                  rule_files: tuple[str, ...]) -> None:
+    """Run the configuration rules on a ds_config.json alone. Exit 1 if a critical rule fires."""
+    from autotune.advisor import check_config
+
+    if (stages is None) != (world_size is None):
+        raise UserError("give --stages and --world-size together")
+    rules = load_rules(rule_files)
+    cfg = load_ds_config(config)
+    findings = check_config(cfg, stages=stages, world_size=world_size, rules=rules, name=Path(config).name)
+    if fmt == "json":
+        click.echo(to_json(findings, input=config, format="ds_config"))
+    else:
+        print_table(findings, title=f"autotune check: {config}")
+    if any(f.fired and f.severity == "critical" for f in findings):
+        raise SystemExit(1)
+
+
+def _same_file(a: str, b: str) -> bool:
+    pa, pb = Path(a), Path(b)
+    if pa.exists() and pb.exists():
+        return os.path.samefile(pa, pb)
+    return pa.resolve() == pb.resolve()
+
+
+def _write_json_atomic(path: Path, data: dict) -> None:
+    """Write to a temporary file in the same folder, then rename: never a half-written config."""
+    directory = path.parent if str(path.parent) else Path(".")
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
+    except OSError as exc:
+        raise UserError(f"{path}: cannot write ({exc.strerror})") from None
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            json.dump(data, fh, indent=2)
+            fh.write("\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:
+        Path(tmp).unlink(missing_ok=True)
+        raise UserError(f"{path}: cannot write ({exc.strerror})") from None

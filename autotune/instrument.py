@@ -1,0 +1,232 @@
+"""Per-rank instrumentation of a DeepSpeed PipelineEngine.
+
+Every pipeline instruction the engine executes is timed (the engine looks
+methods up in `_INSTRUCTION_MAP`; we shadow that map on the instance, so no
+DeepSpeed code is patched globally), and every `train_batch()` becomes one
+StepRecord handed to each sink (CSV file, Prometheus endpoint).
+
+DeepSpeed's `wall_clock_breakdown` is not used: it crashes pipeline runs
+(deepspeed-facts.md).
+
+For a production script, one line after `deepspeed.initialize`:
+
+    autotune.instrument.instrument(engine, csv_path="metrics.csv", metrics_port=9400)
+"""
+
+from __future__ import annotations
+
+import math
+import resource
+import socket
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+from autotune.schema import StepRecord
+from autotune.timing import IntervalTimer, make_timer
+
+COMPUTE, COMM, WAIT, DATA = "compute", "comm", "wait", "data"
+
+# Instruction class name -> category. Names, not classes, so this module
+# imports without DeepSpeed.
+INSTRUCTION_CATEGORY: dict[str, str] = {
+    "ForwardPass": COMPUTE,
+    "BackwardPass": COMPUTE,
+    "OptimizerStep": COMPUTE,
+    "SendActivation": COMM,
+    "SendGrad": COMM,
+    "ReduceGrads": COMM,
+    "ReduceTiedGrads": COMM,
+    "RecvActivation": WAIT,
+    "RecvGrad": WAIT,
+    "LoadMicroBatch": DATA,
+}
+
+
+class Sink(Protocol):
+    def write(self, record: StepRecord) -> None: ...
+
+
+class DeviceProbe(Protocol):
+    """What the probe asks of the device once per step (see exporters.devices)."""
+
+    def utilization(self, window: float) -> float | None: ...
+
+    def memory(self) -> dict[str, float] | None: ...
+
+
+class PipelineProbe:
+    """Times one engine's instructions and emits a StepRecord per train_batch()."""
+
+    def __init__(self, engine: Any, *, sinks: Sequence[Sink] = (), trial: int = -1,
+                 warmup_steps: int = 1, seq_length: int = 0, device: DeviceProbe | None = None,
+                 timer: IntervalTimer | None = None,
+                 on_step: Callable[[StepRecord], None] | None = None) -> None:
+        self.engine = engine
+        self.sinks = list(sinks)
+        self.trial = trial
+        self.warmup_steps = warmup_steps
+        self.seq_length = seq_length
+        self.device_type = engine.device.type if hasattr(engine, "device") else "cpu"
+        self.device = device
+        self.timer = timer or make_timer(self.device_type)
+        self.on_step = on_step
+        self.step = 0
+        self.host = socket.gethostname()
+        self._installed = False
+
+    # -- installation -------------------------------------------------------
+    def install(self) -> PipelineProbe:
+        if self._installed:
+            return self
+        eng = self.engine
+        timed = {}
+        for instr_cls, fn in type(eng)._INSTRUCTION_MAP.items():
+            category = INSTRUCTION_CATEGORY.get(instr_cls.__name__)
+            timed[instr_cls] = fn if category is None else self._wrap(fn, category)
+        eng._INSTRUCTION_MAP = timed  # instance attribute shadows the class map
+        inner = eng.train_batch
+
+        def train_batch(*args: Any, **kwargs: Any) -> Any:
+            return self._measured_step(inner, *args, **kwargs)
+
+        eng.train_batch = train_batch
+        self._installed = True
+        return self
+
+    def _wrap(self, fn: Callable, category: str) -> Callable:
+        timer = self.timer
+
+        def timed(engine_self: Any, **kwargs: Any) -> Any:
+            token = timer.begin()
+            try:
+                return fn(engine_self, **kwargs)
+            finally:
+                timer.end(token, category)
+
+        return timed
+
+    # -- one step -----------------------------------------------------------
+    def _measured_step(self, inner: Callable, *args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        loss = inner(*args, **kwargs)
+        if self.device_type == "cuda":
+            import torch
+
+            torch.cuda.synchronize()
+        step_seconds = time.perf_counter() - t0
+        parts = self.timer.collect()
+        record = self._record(step_seconds, parts, loss)
+        self.step += 1
+        for sink in self.sinks:
+            sink.write(record)
+        if self.on_step is not None:
+            self.on_step(record)
+        return loss
+
+    def _record(self, step_seconds: float, parts: dict[str, float], loss: Any) -> StepRecord:
+        eng = self.engine
+        micro = int(eng.train_micro_batch_size_per_gpu())
+        gas = int(eng.gradient_accumulation_steps())
+        dp = int(eng.grid.data_parallel_size)
+        stages = int(eng.num_stages)
+        compute = parts.get(COMPUTE, 0.0)
+        samples_per_second = micro * gas * dp / step_seconds if step_seconds > 0 else 0.0
+        util = None
+        if self.device is not None:
+            util = self.device.utilization(step_seconds)
+        if util is None:  # busy fraction: the documented CPU definition
+            util = min(1.0, compute / step_seconds) if step_seconds > 0 else 0.0
+        mem = self.device.memory() if self.device is not None else None
+        mem = mem or {}
+        peak = mem.get("peak_bytes")
+        if peak is None and self.device_type == "cpu":
+            peak = float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+        return StepRecord(
+            time=time.time(), trial=self.trial, rank=int(eng.global_rank), stage=int(eng.stage_id),
+            step=self.step, warmup=int(self.step < self.warmup_steps),
+            step_seconds=step_seconds, samples_per_second=samples_per_second,
+            tokens_per_second=samples_per_second * self.seq_length,
+            compute_seconds=compute, comm_seconds=parts.get(COMM, 0.0),
+            wait_seconds=parts.get(WAIT, 0.0), data_seconds=parts.get(DATA, 0.0),
+            device_utilization=util,
+            memory_allocated_bytes=mem.get("allocated_bytes"),
+            memory_reserved_bytes=mem.get("reserved_bytes"),
+            memory_fragmentation_ratio=mem.get("fragmentation_ratio"),
+            memory_inactive_split_bytes=mem.get("inactive_split_bytes"),
+            memory_peak_bytes=peak,
+            loss=_loss_value(eng, loss), loss_scale=_loss_scale(eng),
+            micro_batch_size=micro, gradient_accumulation_steps=gas,
+            reduce_bucket_size=_acting_bucket(eng, dp), pipeline_stages=stages,
+            data_parallel_size=dp, seq_length=self.seq_length,
+            device=str(eng.device) if hasattr(eng, "device") else "cpu", host=self.host,
+        )
+
+
+def _loss_value(engine: Any, loss: Any) -> float | None:
+    """The loss lives on the last stage; other ranks report none."""
+    if loss is None or not engine.is_last_stage():
+        return None
+    value = float(loss.mean().item()) if hasattr(loss, "mean") else float(loss)
+    return value  # NaN/inf kept as-is: the trial runner classifies it
+
+
+def _loss_scale(engine: Any) -> float | None:
+    if not engine.fp16_enabled():
+        return None
+    scale = getattr(getattr(engine, "optimizer", None), "cur_scale", None)
+    return float(scale) if scale is not None and math.isfinite(float(scale)) else None
+
+
+def _acting_bucket(engine: Any, dp: int) -> int | None:
+    """reduce_bucket_size only acts with ZeRO-1 and dp > 1 under pipeline parallelism."""
+    if engine.zero_optimization_stage() != 1 or dp < 2:
+        return None
+    return int(engine.zero_reduce_bucket_size())
+
+
+def instrument(engine: Any, *, csv_path: str | None = None, metrics_port: int | None = None,
+               metrics_addr: str = "127.0.0.1", trial: int = -1, job: str = "autotune",
+               warmup_steps: int = 1, seq_length: int = 0) -> PipelineProbe:
+    """One-liner for any training script: time the engine, write a CSV and/or serve Prometheus.
+
+    `metrics_port` is the base port; each rank serves on base + local rank.
+    """
+    import os
+
+    sinks: list[Sink] = []
+    if csv_path is not None:
+        from autotune.metrics_csv import CsvSink
+
+        rank = int(os.environ.get("RANK", engine.global_rank))
+        path = csv_path.replace("{rank}", str(rank))
+        sinks.append(CsvSink(path))
+    device = _device_probe(engine)
+    if metrics_port is not None:
+        from exporters.prometheus_rank import start_rank_exporter
+
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        exporter = start_rank_exporter(
+            addr=metrics_addr, port=metrics_port + local_rank,
+            labels={"job": job, "trial": str(trial), "rank": str(engine.global_rank),
+                    "stage": str(engine.stage_id), "device": str(engine.device),
+                    "host": socket.gethostname()},
+        )
+        if exporter is not None:
+            sinks.append(exporter)
+    return PipelineProbe(engine, sinks=sinks, trial=trial, warmup_steps=warmup_steps,
+                         seq_length=seq_length, device=device).install()
+
+
+def _device_probe(engine: Any) -> DeviceProbe | None:
+    """NVML + CUDA allocator on GPUs; None on CPU (busy fraction, no allocator)."""
+    if getattr(getattr(engine, "device", None), "type", "cpu") != "cuda":
+        return None
+    try:
+        from exporters.devices import make_device_probe
+    except ImportError:  # exporters not installed alongside: CUDA events still time the step
+        print("autotune: exporters.devices unavailable; device utilization falls back to busy fraction",
+              file=sys.stderr)
+        return None
+    return make_device_probe(engine.device)

@@ -1,0 +1,161 @@
+"""Starts one trial's ranks through DeepSpeed's own launcher and waits for them.
+
+The launcher runs in its own session (process group) so that a timeout, a
+Ctrl-C or a controller crash can stop every rank at once and leave nothing
+behind. No shell is involved: the command line is a list of validated values.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+TRAIN_SCRIPT = Path(__file__).resolve().parent / "workload" / "train.py"
+
+
+@dataclass(kw_only=True, slots=True)
+class LaunchSpec:
+    num_ranks: int
+    script_args: list[str]
+    log_path: Path
+    timeout: float
+    env: dict[str, str] = field(default_factory=dict)
+    launcher: list[str] = field(default_factory=lambda: [sys.executable, "-m", "deepspeed.launcher.runner"])
+    script: Path = TRAIN_SCRIPT
+
+
+@dataclass(kw_only=True, slots=True)
+class LaunchOutcome:
+    returncode: int | None
+    """None when the trial was stopped (timeout or interrupt)."""
+    timed_out: bool
+    wall_seconds: float
+    log_path: Path
+    launch_error: str | None = None
+    """Set when the launcher itself could not be started."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def accelerator_env() -> dict[str, str]:
+    """DS_ACCELERATOR=cpu (gloo) unless a CUDA device is present or the user chose one."""
+    env: dict[str, str] = {}
+    if "DS_ACCELERATOR" not in os.environ:
+        try:
+            import torch
+
+            cuda = torch.cuda.is_available()
+        except ImportError:
+            cuda = False
+        if not cuda:
+            env["DS_ACCELERATOR"] = "cpu"
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+def build_command(spec: LaunchSpec, master_port: int) -> list[str]:
+    return [*spec.launcher, "--num_gpus", str(spec.num_ranks), "--no_local_rank",
+            "--master_port", str(master_port), str(spec.script), *spec.script_args]
+
+
+class TrialProcess:
+    """A running trial; `wait()` enforces the timeout; `stop()` ends the whole group."""
+
+    def __init__(self, spec: LaunchSpec) -> None:
+        self.spec = spec
+        self.proc: subprocess.Popen | None = None
+        self.started = time.monotonic()
+
+    def start(self) -> str | None:
+        """Start the launcher; returns an error line when it cannot be started."""
+        env = {**os.environ, **accelerator_env(), **self.spec.env}
+        self.spec.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.spec.log_path, "wb")
+        try:
+            self.proc = subprocess.Popen(
+                build_command(self.spec, free_port()), stdout=log, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL, env=env, start_new_session=True,
+            )
+        except OSError as exc:
+            return f"cannot start the launcher {self.spec.launcher[0]!r}: {exc.strerror}"
+        finally:
+            log.close()
+        return None
+
+    @property
+    def pgid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    def wait(self) -> tuple[int | None, bool]:
+        assert self.proc is not None
+        try:
+            return self.proc.wait(timeout=self.spec.timeout), False
+        except subprocess.TimeoutExpired:
+            self.stop()
+            return None, True
+
+    def stop(self, grace: float = 5.0) -> None:
+        """SIGTERM the whole process group, then SIGKILL what is left."""
+        if self.proc is None:
+            return
+        kill_group(self.proc.pid, grace)
+        try:
+            self.proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def kill_group(pgid: int, grace: float = 5.0) -> None:
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(pgid, sig)
+        except (ProcessLookupError, PermissionError):
+            return
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline:
+            if not group_alive(pgid):
+                return
+            time.sleep(0.1)
+
+
+def group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    # A group of zombies still "exists": check /proc for a live member.
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
+
+
+def run_trial_process(spec: LaunchSpec) -> LaunchOutcome:
+    tp = TrialProcess(spec)
+    error = tp.start()
+    if error is not None:
+        return LaunchOutcome(returncode=None, timed_out=False, wall_seconds=0.0,
+                             log_path=spec.log_path, launch_error=error)
+    try:
+        rc, timed_out = tp.wait()
+    finally:
+        # Ranks the launcher left behind (it died, or we were interrupted) go too.
+        tp.stop(grace=2.0)
+    return LaunchOutcome(returncode=rc, timed_out=timed_out,
+                         wall_seconds=time.monotonic() - tp.started, log_path=spec.log_path)

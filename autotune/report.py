@@ -1,0 +1,82 @@
+"""Files a study leaves for people: summary.json, best_ds_config.json, report.md.
+
+All written atomically after every trial, so the best configuration so far
+survives a crash or Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from autotune.study import STATUS_OK, Study, TrialRow, write_atomic
+
+
+def trial_entry(t: TrialRow) -> dict[str, Any]:
+    return {
+        "trial": t.number, "status": t.status, "source": t.source, "reason": t.reason,
+        "micro_batch_size": t.config.micro_batch_size,
+        "gradient_accumulation_steps": t.config.gradient_accumulation_steps,
+        "reduce_bucket_size": t.config.reduce_bucket_size,
+        "samples_per_second": t.samples_per_second, "failure_reason": t.failure_reason,
+        "failure_detail": t.failure_detail, "rules_fired": t.rules_fired,
+        "wall_seconds": t.wall_seconds,
+    }
+
+
+def build_summary(study: Study) -> dict[str, Any]:
+    trials = study.trials()
+    counted = [t for t in trials if t.status in ("ok", "failed")]
+    baseline = next((t for t in counted if t.number == 0), None)
+    best = study.best()
+    speedup = None
+    if best and baseline and baseline.status == STATUS_OK and baseline.samples_per_second:
+        speedup = (best.samples_per_second or 0.0) / baseline.samples_per_second
+    return {
+        "format": 1,
+        "budget": study.get_meta_json("budget"),
+        "space": study.get_meta_json("space"),
+        "workload": study.get_meta_json("workload"),
+        "trials": [trial_entry(t) for t in trials],
+        "counted_trials": len(counted),
+        "failed_trials": sum(1 for t in counted if t.status == "failed"),
+        "baseline": trial_entry(baseline) if baseline else None,
+        "best": trial_entry(best) if best else None,
+        "speedup_over_baseline": speedup,
+    }
+
+
+def write_outputs(study: Study, best_ds_config: dict | None) -> dict[str, Any]:
+    summary = build_summary(study)
+    write_atomic(study.root / "summary.json", json.dumps(summary, indent=2) + "\n")
+    if best_ds_config is not None:
+        write_atomic(study.root / "best_ds_config.json", json.dumps(best_ds_config, indent=2) + "\n")
+    write_atomic(study.root / "report.md", render_report(summary))
+    return summary
+
+
+def render_report(summary: dict[str, Any]) -> str:
+    lines = ["# autotune report", ""]
+    best, base = summary["best"], summary["baseline"]
+    if best:
+        lines.append(f"Best: trial {best['trial']}, micro {best['micro_batch_size']}, "
+                     f"GAS {best['gradient_accumulation_steps']}, reduce_bucket_size "
+                     f"{best['reduce_bucket_size'] or 'not tuned'}: {best['samples_per_second']:.1f} samples/s.")
+    if base and base["samples_per_second"]:
+        lines.append(f"Baseline (trial 0): {base['samples_per_second']:.1f} samples/s.")
+    if summary["speedup_over_baseline"]:
+        lines.append(f"Speed-up over the baseline: {summary['speedup_over_baseline']:.2f}x.")
+    if summary.get("space"):
+        lines.append(f"Search space: {summary['space'].get('description', '')}")
+    lines += ["", "| trial | proposed by | micro | GAS | bucket | samples/s | status | why |",
+              "|---|---|---|---|---|---|---|---|"]
+    for t in summary["trials"]:
+        sps = f"{t['samples_per_second']:.1f}" if t["samples_per_second"] else "-"
+        status = t["status"] + (f" ({t['failure_reason']})" if t["failure_reason"] else "")
+        why = t["reason"] or ""
+        if t["rules_fired"]:
+            why += (" " if why else "") + "[rules fired after it: " + ", ".join(t["rules_fired"]) + "]"
+        lines.append(f"| {t['trial']} | {t['source']} | {t['micro_batch_size']} | "
+                     f"{t['gradient_accumulation_steps']} | {t['reduce_bucket_size'] or '-'} | {sps} | "
+                     f"{status} | {why} |")
+    return "\n".join(lines) + "\n"

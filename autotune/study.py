@@ -1,0 +1,220 @@
+"""The study: a folder with a SQLite database of every trial, one folder per trial,
+and the files written for users (best_ds_config.json, summary.json).
+
+SQLite in WAL mode with one transaction per state change, so a controller
+killed at any moment leaves a consistent database; user-facing files are
+written atomically (temp file + rename).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from autotune.errors import StudyError
+from autotune.space import TrialConfig
+
+STUDY_FORMAT = 1
+DB_NAME = "study.db"
+
+STATUS_RUNNING = "running"
+STATUS_OK = "ok"
+STATUS_FAILED = "failed"
+STATUS_INTERRUPTED = "interrupted"
+COUNTED = (STATUS_OK, STATUS_FAILED)
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS trials (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    number INTEGER NOT NULL,
+    status TEXT NOT NULL,
+    source TEXT NOT NULL,
+    reason TEXT NOT NULL DEFAULT '',
+    micro_batch_size INTEGER NOT NULL,
+    gradient_accumulation_steps INTEGER NOT NULL,
+    reduce_bucket_size INTEGER,
+    samples_per_second REAL,
+    failure_reason TEXT,
+    failure_detail TEXT,
+    summary_json TEXT,
+    rules_fired TEXT,
+    started REAL NOT NULL,
+    finished REAL,
+    wall_seconds REAL,
+    pgid INTEGER
+);
+"""
+
+
+@dataclass(kw_only=True, slots=True)
+class TrialRow:
+    id: int
+    number: int
+    status: str
+    source: str
+    reason: str
+    config: TrialConfig
+    samples_per_second: float | None
+    failure_reason: str | None
+    failure_detail: str | None
+    summary: dict | None
+    rules_fired: list[str]
+    started: float
+    finished: float | None
+    wall_seconds: float | None
+    pgid: int | None
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write text so readers see the old or the new file, never half of one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+class Study:
+    def __init__(self, root: Path, conn: sqlite3.Connection) -> None:
+        self.root = root
+        self._db = conn
+
+    # -- opening ------------------------------------------------------------
+    @classmethod
+    def open(cls, root: str | Path, *, create: bool, meta: dict[str, Any] | None = None) -> Study:
+        """Open an existing study or create a new one; refuses folders that are not studies."""
+        root = Path(root)
+        db_path = root / DB_NAME
+        if root.exists() and not root.is_dir():
+            raise StudyError(f"{root}: exists and is not a folder; choose another --study")
+        if not db_path.exists():
+            if root.exists() and any(root.iterdir()):
+                raise StudyError(f"{root}: folder is not empty and holds no {DB_NAME}; "
+                                 "it is not an autotune study: choose another --study")
+            if not create:
+                raise StudyError(f"{root}: no study here; run without --resume to start one")
+            root.mkdir(parents=True, exist_ok=True)
+        conn = _connect(db_path)
+        study = cls(root, conn)
+        fmt = study.get_meta("format")
+        if fmt is None:
+            if not create:
+                raise StudyError(f"{db_path}: not an autotune study database")
+            study._init(meta or {})
+        elif fmt != str(STUDY_FORMAT):
+            raise StudyError(f"{root}: study format {fmt}, this autotune reads format {STUDY_FORMAT}; "
+                             "start a new study with another --study")
+        return study
+
+    def _init(self, meta: dict[str, Any]) -> None:
+        with self._db:
+            self._db.executescript(_SCHEMA)
+            self._db.executemany(
+                "INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)",
+                [("format", str(STUDY_FORMAT)), ("created", str(time.time()))]
+                + [(k, json.dumps(v)) for k, v in meta.items()],
+            )
+
+    def close(self) -> None:
+        self._db.close()
+
+    # -- meta ---------------------------------------------------------------
+    def get_meta(self, key: str) -> str | None:
+        try:
+            row = self._db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
+        except sqlite3.DatabaseError:
+            return None
+        return row[0] if row else None
+
+    def get_meta_json(self, key: str) -> Any:
+        raw = self.get_meta(key)
+        return None if raw is None else json.loads(raw)
+
+    # -- trials -------------------------------------------------------------
+    def trial_dir(self, number: int) -> Path:
+        return self.root / f"trial-{number:03d}"
+
+    def start_trial(self, number: int, config: TrialConfig, source: str, reason: str) -> int:
+        with self._db:
+            cur = self._db.execute(
+                "INSERT INTO trials(number, status, source, reason, micro_batch_size, "
+                "gradient_accumulation_steps, reduce_bucket_size, started) VALUES (?,?,?,?,?,?,?,?)",
+                (number, STATUS_RUNNING, source, reason, config.micro_batch_size,
+                 config.gradient_accumulation_steps, config.reduce_bucket_size, time.time()),
+            )
+        return int(cur.lastrowid)
+
+    def set_pgid(self, trial_id: int, pgid: int | None) -> None:
+        with self._db:
+            self._db.execute("UPDATE trials SET pgid = ? WHERE id = ?", (pgid, trial_id))
+
+    def finish_trial(self, trial_id: int, *, status: str, samples_per_second: float | None,
+                     failure_reason: str | None, failure_detail: str | None,
+                     summary: dict | None, rules_fired: list[str], wall_seconds: float) -> None:
+        with self._db:
+            self._db.execute(
+                "UPDATE trials SET status=?, samples_per_second=?, failure_reason=?, failure_detail=?,"
+                " summary_json=?, rules_fired=?, finished=?, wall_seconds=? WHERE id=?",
+                (status, samples_per_second, failure_reason, failure_detail,
+                 None if summary is None else json.dumps(summary), json.dumps(rules_fired),
+                 time.time(), wall_seconds, trial_id),
+            )
+
+    def interrupt_running(self) -> list[TrialRow]:
+        """Mark trials left 'running' by a dead controller as interrupted; returns them."""
+        left = [t for t in self.trials() if t.status == STATUS_RUNNING]
+        with self._db:
+            self._db.execute("UPDATE trials SET status=?, finished=? WHERE status=?",
+                             (STATUS_INTERRUPTED, time.time(), STATUS_RUNNING))
+        return left
+
+    def trials(self) -> list[TrialRow]:
+        rows = self._db.execute(
+            "SELECT id, number, status, source, reason, micro_batch_size, gradient_accumulation_steps,"
+            " reduce_bucket_size, samples_per_second, failure_reason, failure_detail, summary_json,"
+            " rules_fired, started, finished, wall_seconds, pgid FROM trials ORDER BY id"
+        ).fetchall()
+        return [
+            TrialRow(id=r[0], number=r[1], status=r[2], source=r[3], reason=r[4],
+                     config=TrialConfig(micro_batch_size=r[5], gradient_accumulation_steps=r[6],
+                                        reduce_bucket_size=r[7]),
+                     samples_per_second=r[8], failure_reason=r[9], failure_detail=r[10],
+                     summary=json.loads(r[11]) if r[11] else None,
+                     rules_fired=json.loads(r[12]) if r[12] else [], started=r[13],
+                     finished=r[14], wall_seconds=r[15], pgid=r[16])
+            for r in rows
+        ]
+
+    def counted(self) -> list[TrialRow]:
+        """Finished trials (ok or failed): the ones the budget counts."""
+        return [t for t in self.trials() if t.status in COUNTED]
+
+    def best(self) -> TrialRow | None:
+        ok = [t for t in self.trials() if t.status == STATUS_OK and t.samples_per_second]
+        return max(ok, key=lambda t: t.samples_per_second or 0.0) if ok else None
+
+
+def _connect(path: Path) -> sqlite3.Connection:
+    try:
+        conn = sqlite3.connect(path, timeout=30, isolation_level=None)
+        conn.isolation_level = ""  # `with conn:` = one transaction
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute("PRAGMA synchronous=FULL")
+        conn.execute("SELECT name FROM sqlite_master LIMIT 1").fetchall()
+    except sqlite3.DatabaseError as exc:
+        raise StudyError(f"{path}: not a readable SQLite database ({exc}); choose another --study") from None
+    return conn

@@ -1,0 +1,174 @@
+"""Running one trial: write its ds_config, launch the ranks, read and judge the result.
+
+Failures are classified (oom, timeout, killed, nonfinite_loss, crash,
+no_metrics, launcher_missing) and returned as a failed TrialResult: a trial
+never crashes the tuning run.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from autotune.dsconfig import DsConfig
+from autotune.errors import InputFileError
+from autotune.launcher import LaunchOutcome, LaunchSpec, TrialProcess
+from autotune.metrics_csv import read_metrics_csv
+from autotune.proposers.base import STATUS_FAILED, STATUS_OK, TrialResult
+from autotune.space import TrialConfig
+from autotune.summary import TrialSummary, summarize_trial
+from autotune.workload.train import EXIT_NONFINITE_LOSS, EXIT_OOM
+
+OOM_PATTERN = re.compile(r"out of memory|OutOfMemoryError|CUDA error: out of memory", re.I)
+
+
+@dataclass(kw_only=True, slots=True)
+class WorkloadOptions:
+    """How every trial of a study runs the workload (fixed for the whole study)."""
+
+    preset: str = "tiny"
+    pipeline_stages: int = 2
+    data_parallel_size: int = 2
+    steps: int = 6
+    """Measured steps per trial."""
+    warmup_steps: int = 2
+    partition_method: str = "parameters"
+    activation_checkpoint_interval: int = 0
+    tokens: str | None = None
+    slow_stage: int | None = None
+    slow_factor: int = 1
+    threads: int = 1
+    seed: int = 1234
+    job: str = "autotune"
+    metrics_port: int | None = None
+    """Base port of the per-rank Prometheus endpoints; None = no endpoints."""
+    metrics_addr: str = "127.0.0.1"
+    extra_args: tuple[str, ...] = ()
+    """Passed through to the training script (test-only fault injection)."""
+
+    @property
+    def world_size(self) -> int:
+        return self.pipeline_stages * self.data_parallel_size
+
+    def script_args(self, *, ds_config: Path, metrics_csv: str, trial: int) -> list[str]:
+        args = ["--ds-config", str(ds_config), "--metrics-csv", metrics_csv,
+                "--preset", self.preset, "--stages", str(self.pipeline_stages),
+                "--steps", str(self.steps), "--warmup-steps", str(self.warmup_steps),
+                "--trial", str(trial), "--partition-method", self.partition_method,
+                "--activation-checkpoint-interval", str(self.activation_checkpoint_interval),
+                "--threads", str(self.threads), "--seed", str(self.seed), "--job", self.job]
+        if self.tokens:
+            args += ["--tokens", self.tokens]
+        if self.slow_stage is not None:
+            args += ["--slow-stage", str(self.slow_stage), "--slow-factor", str(self.slow_factor)]
+        if self.metrics_port is not None:
+            args += ["--metrics-port", str(self.metrics_port), "--metrics-addr", self.metrics_addr]
+        return args + list(self.extra_args)
+
+
+@dataclass(kw_only=True, slots=True)
+class TrialOutcome:
+    result: TrialResult
+    summary: TrialSummary | None
+    failure_detail: str | None
+    wall_seconds: float
+
+
+class TrialRunner:
+    """Runs trials of one workload; `on_start` receives the process (to record its group id)."""
+
+    def __init__(self, workload: WorkloadOptions, base_config: DsConfig, *,
+                 launcher: list[str] | None = None) -> None:
+        self.workload = workload
+        self.base_config = base_config
+        self.launcher = launcher
+
+    def ds_config_for(self, config: TrialConfig) -> dict:
+        return self.base_config.with_trial(
+            micro_batch_size=config.micro_batch_size,
+            gradient_accumulation_steps=config.gradient_accumulation_steps,
+            data_parallel_size=self.workload.data_parallel_size,
+            reduce_bucket_size=config.reduce_bucket_size,
+        ).to_dict()
+
+    def run(self, number: int, config: TrialConfig, trial_dir: Path, *, timeout: float,
+            on_start: Callable[[TrialProcess], None] | None = None) -> TrialOutcome:
+        trial_dir.mkdir(parents=True, exist_ok=True)
+        for old in trial_dir.glob("metrics-rank*.csv"):  # a re-run after an interruption starts clean
+            old.unlink()
+        ds_path = trial_dir / "ds_config.json"
+        ds_path.write_text(json.dumps(self.ds_config_for(config), indent=2) + "\n", encoding="utf-8")
+        spec = LaunchSpec(
+            num_ranks=self.workload.world_size,
+            script_args=self.workload.script_args(
+                ds_config=ds_path, metrics_csv=str(trial_dir / "metrics-rank{rank}.csv"), trial=number),
+            log_path=trial_dir / "launcher.log", timeout=timeout,
+        )
+        if self.launcher is not None:
+            spec.launcher = list(self.launcher)
+        proc = TrialProcess(spec)
+        error = proc.start()
+        if error is not None:
+            return _failed("launcher_missing", error, 0.0)
+        if on_start is not None:
+            on_start(proc)
+        try:
+            rc, timed_out = proc.wait()
+        finally:
+            proc.stop(grace=2.0)
+        import time
+
+        outcome = LaunchOutcome(returncode=rc, timed_out=timed_out,
+                                wall_seconds=time.monotonic() - proc.started, log_path=spec.log_path)
+        return judge(outcome, trial_dir, timeout)
+
+
+def judge(outcome: LaunchOutcome, trial_dir: Path, timeout: float) -> TrialOutcome:
+    """Classify a finished launch and summarize its metrics."""
+    wall = outcome.wall_seconds
+    log = _tail(outcome.log_path)
+    if outcome.timed_out:
+        return _failed("timeout", f"no result within {timeout:.0f} s; every rank was stopped", wall)
+    rc = outcome.returncode
+    if rc != 0:
+        if rc == EXIT_OOM or re.search(r"exits with return code = " + str(EXIT_OOM), log) or OOM_PATTERN.search(log):
+            return _failed("oom", _last_line(log, OOM_PATTERN) or "out of memory", wall)
+        if rc == EXIT_NONFINITE_LOSS or f"return code = {EXIT_NONFINITE_LOSS}" in log:
+            return _failed("nonfinite_loss", _last_line(log, re.compile("non-finite")) or "loss became NaN/inf", wall)
+        if "return code = -9" in log or (rc is not None and rc < 0):
+            return _failed("killed", _last_line(log, re.compile("return code = -")) or f"signal {-rc}", wall)
+        return _failed("crash", _last_line(log, re.compile(r"Error|error")) or f"exit code {rc}", wall)
+    try:
+        records = [r for p in sorted(trial_dir.glob("metrics-rank*.csv")) for r in read_metrics_csv(p)]
+    except InputFileError as exc:
+        return _failed("no_metrics", str(exc), wall)
+    summary = summarize_trial(records) if records else None
+    if summary is None:
+        return _failed("no_metrics", "the trial exited 0 but wrote no measured step", wall)
+    return TrialOutcome(
+        result=TrialResult(status=STATUS_OK, samples_per_second=summary.samples_per_second, summary=summary),
+        summary=summary, failure_detail=None, wall_seconds=wall,
+    )
+
+
+def _failed(reason: str, detail: str, wall: float) -> TrialOutcome:
+    return TrialOutcome(result=TrialResult(status=STATUS_FAILED, failure_reason=reason),
+                        summary=None, failure_detail=detail.strip()[:500], wall_seconds=wall)
+
+
+def _tail(path: Path, size: int = 20000) -> str:
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(0, 2)
+            fh.seek(max(0, fh.tell() - size))
+            return fh.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+
+
+def _last_line(text: str, pattern: re.Pattern) -> str | None:
+    hits = [ln for ln in text.splitlines() if pattern.search(ln)]
+    return hits[-1].strip() if hits else None

@@ -1,0 +1,165 @@
+"""The tuning loop behind `autotune run`: baseline, then propose -> run -> tell, to the budget.
+
+Resume rule: finished trials (ok or failed) are kept exactly once and told
+back to the proposer; a trial that was running when the controller died is
+marked `interrupted`, its leftover processes are stopped, and its
+configuration is run again first. Interrupted trials never count toward the
+budget, so a resumed study ends with exactly `budget` counted trials.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from autotune.display import ProgressDisplay
+from autotune.launcher import group_alive, kill_group
+from autotune.proposers.base import STATUS_FAILED, STATUS_OK, Proposal, Proposer, TrialResult
+from autotune.report import write_outputs
+from autotune.space import SearchSpace, TrialConfig
+from autotune.study import STATUS_INTERRUPTED, Study, TrialRow
+from autotune.summary import TrialSummary
+from autotune.trial import TrialOutcome, TrialRunner
+
+DEFAULT_FIRST_TIMEOUT = 900.0
+"""Seconds for trials before one has finished (first runs may compile DeepSpeed ops)."""
+MIN_TIMEOUT = 120.0
+TIMEOUT_FACTOR = 4.0
+
+
+@dataclass(kw_only=True, slots=True)
+class TuneResult:
+    summary: dict[str, Any]
+    interrupted: bool = False
+
+
+class Tuner:
+    def __init__(self, *, study: Study, runner: TrialRunner, space: SearchSpace, proposer: Proposer,
+                 baseline: TrialConfig, display: ProgressDisplay, budget: int,
+                 trial_timeout: float | None = None,
+                 rules_fired: Callable[[TrialSummary], list[str]] | None = None,
+                 exporter: Any | None = None) -> None:
+        self.study, self.runner, self.space, self.proposer = study, runner, space, proposer
+        self.baseline, self.display, self.budget = baseline, display, budget
+        self.trial_timeout = trial_timeout
+        self.rules_fired = rules_fired
+        self.exporter = exporter
+
+    # -- the loop -------------------------------------------------------------
+    def run(self) -> TuneResult:
+        redo = self._recover()
+        try:
+            while len(self.study.counted()) < self.budget:
+                proposal = self._next_proposal(redo)
+                self._run_one(proposal)
+        except KeyboardInterrupt:
+            self.study.interrupt_running()
+            self.display.note("interrupted: the running trial was stopped; the study is consistent "
+                              "and the best configuration so far is written. Resume with --resume.")
+            return TuneResult(summary=self._write(), interrupted=True)
+        return TuneResult(summary=self._write())
+
+    def _recover(self) -> list[TrialRow]:
+        """Stop leftovers of a dead controller, replay finished trials to the proposer."""
+        left = self.study.interrupt_running()
+        for t in left:
+            if t.pgid and group_alive(t.pgid):
+                kill_group(t.pgid)
+        finished = self.study.counted()
+        for t in finished:
+            self.proposer.tell(t.config, _result_from_row(t))
+        if finished:
+            self.display.note(f"resuming: {len(finished)} finished trial(s) kept, "
+                              f"{len(left)} interrupted trial(s) will be run again")
+        done = {t.number for t in finished}
+        interrupted = [t for t in self.study.trials() if t.status == STATUS_INTERRUPTED]
+        redo, seen = [], set()
+        for t in interrupted:
+            if t.number not in done and t.number not in seen:
+                redo.append(t)
+                seen.add(t.number)
+        return redo
+
+    def _next_proposal(self, redo: list[TrialRow]) -> tuple[int, Proposal]:
+        if redo:
+            t = redo.pop(0)
+            return t.number, Proposal(config=t.config, source=t.source,
+                                      reason=(t.reason + " (re-run after interruption)").strip())
+        numbers = [t.number for t in self.study.trials()]
+        number = max(numbers) + 1 if numbers else 0
+        if not any(t.number == 0 for t in self.study.counted()) and 0 not in numbers:
+            return 0, Proposal(config=self.baseline, source="baseline",
+                               reason="the starting configuration, measured as the reference")
+        return number, self.proposer.ask()
+
+    def _run_one(self, item: tuple[int, Proposal]) -> None:
+        number, proposal = item
+        cfg = proposal.config
+        trial_id = self.study.start_trial(number, cfg, proposal.source, proposal.reason)
+        if self.exporter is not None:
+            self.exporter.trial_started(number, cfg)
+
+        def record_group(proc: Any) -> None:
+            self.study.set_pgid(trial_id, proc.pgid)
+
+        with self.display.running(number, cfg, proposal.source):
+            outcome = self.runner.run(number, cfg, self.study.trial_dir(number),
+                                      timeout=self._timeout(), on_start=record_group)
+        fired = self.rules_fired(outcome.summary) if (self.rules_fired and outcome.summary) else []
+        self.study.finish_trial(
+            trial_id, status=outcome.result.status,
+            samples_per_second=outcome.result.samples_per_second if outcome.result.ok else None,
+            failure_reason=outcome.result.failure_reason, failure_detail=outcome.failure_detail,
+            summary=outcome.summary.to_dict() if outcome.summary else None,
+            rules_fired=fired, wall_seconds=outcome.wall_seconds,
+        )
+        self.proposer.tell(cfg, outcome.result)
+        best = self.study.best()
+        is_best = best is not None and best.number == number and outcome.result.ok
+        self.display.trial_row(number, cfg, proposal.source, outcome.result.status, outcome.summary,
+                               _failure_text(outcome), is_best)
+        if proposal.reason and proposal.source not in ("baseline",):
+            self.display.note(f"      why: {proposal.reason}")
+        if self.exporter is not None:
+            self.exporter.trial_finished(number, cfg, outcome.result.status,
+                                         outcome.result.samples_per_second, outcome.summary, fired)
+        self._write()
+
+    def _timeout(self) -> float:
+        if self.trial_timeout is not None:
+            return self.trial_timeout
+        walls = [t.wall_seconds for t in self.study.trials() if t.status == STATUS_OK and t.wall_seconds]
+        if not walls:
+            return DEFAULT_FIRST_TIMEOUT
+        return max(MIN_TIMEOUT, TIMEOUT_FACTOR * max(walls))
+
+    def _write(self) -> dict[str, Any]:
+        best = self.study.best()
+        best_cfg = self.runner.ds_config_for(best.config) if best else None
+        return write_outputs(self.study, best_cfg)
+
+
+def _result_from_row(t: TrialRow) -> TrialResult:
+    summary = TrialSummary.from_dict(t.summary) if t.summary else None
+    if t.status == STATUS_OK:
+        return TrialResult(status=STATUS_OK, samples_per_second=t.samples_per_second or 0.0, summary=summary)
+    return TrialResult(status=STATUS_FAILED, failure_reason=t.failure_reason)
+
+
+def _failure_text(o: TrialOutcome) -> str | None:
+    if o.result.ok:
+        return None
+    return o.result.failure_reason
+
+
+def dump_space(space: SearchSpace) -> dict[str, Any]:
+    return {"description": space.describe(), "micro_batch_sizes": space.micro_batch_sizes,
+            "gas_values": space.gas_values, "global_batch": space.global_batch,
+            "bucket_range": list(space.bucket_range) if space.bucket_range else None,
+            "pipeline_stages": space.pipeline_stages, "data_parallel_size": space.data_parallel_size}
+
+
+def space_fingerprint(space: SearchSpace) -> str:
+    return json.dumps(dump_space(space), sort_keys=True)

@@ -1,0 +1,1 @@
+"""The built-in workload: a LLaMA-style decoder as a DeepSpeed PipelineModule."""
