@@ -52,7 +52,9 @@ class RankSummary:
     comm_seconds_mean: float
     wait_seconds_mean: float
     bubble_fraction: float
-    """Measured: this rank's receive-wait time / step time."""
+    """Measured idle share: 1 - compute / step time (waiting, transfers, data loading)."""
+    wait_fraction: float
+    """The part of the step spent in receive instructions (waiting for the peer stage)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -86,7 +88,7 @@ class TrialSummary:
     transfer_compute_ratio: float | None
     """comm (sends + reductions, without waiting) / compute, worst rank."""
     bubble_fraction_measured: float
-    """Mean over ranks of receive-wait time / step time."""
+    """Mean over ranks of the idle share 1 - compute / step (compare with the ideal)."""
     bubble_fraction_ideal: float
     stage_compute_imbalance: float
     """max / mean of per-stage mean compute seconds (1.0 = balanced)."""
@@ -167,7 +169,8 @@ def summarize_trial(records: Sequence[StepRecord]) -> TrialSummary | None:
             comm_compute_ratio=comm_compute_ratio(comm, wait, comp),
             compute_seconds_mean=comp / len(rows), comm_seconds_mean=comm / len(rows),
             wait_seconds_mean=wait / len(rows),
-            bubble_fraction=wait / total if total > 0 else 0.0,
+            bubble_fraction=max(0.0, 1.0 - comp / total) if total > 0 else 0.0,
+            wait_fraction=wait / total if total > 0 else 0.0,
         ))
 
     stage_comp: dict[int, list[float]] = defaultdict(list)
