@@ -12,7 +12,7 @@ from typing import Any
 
 from autotune.display import ProgressDisplay
 from autotune.dsconfig import DsConfig, load_ds_config
-from autotune.errors import ConfigError, UserError
+from autotune.errors import UserError
 from autotune.space import SearchSpace, TrialConfig
 from autotune.study import Study
 from autotune.trial import TrialRunner, WorkloadOptions
@@ -193,14 +193,18 @@ def _rules_hooks():
 
 def _controller_exporter(opts: RunOptions, display: ProgressDisplay):
     if opts.metrics_port is None:
+        if opts.rank_metrics_port is not None:
+            last = opts.rank_metrics_port + opts.workload.world_size - 1
+            display.note(f"rank metrics: http://{opts.metrics_addr}:{opts.rank_metrics_port}..{last}/metrics")
         return None
-    from exporters.prometheus_controller import start_controller_exporter
+    from exporters.prometheus_controller import ControllerExporter
 
-    exporter = start_controller_exporter(addr=opts.metrics_addr, port=opts.metrics_port,
-                                         job=opts.workload.job)
+    exporter = ControllerExporter(job=opts.workload.job)
+    exporter.serve(addr=opts.metrics_addr, port=opts.metrics_port)  # prints its URL, or warns
+    if opts.rank_metrics_port is not None:
+        last = opts.rank_metrics_port + opts.workload.world_size - 1
+        display.note(f"rank metrics: http://{opts.metrics_addr}:{opts.rank_metrics_port}..{last}/metrics "
+                     "while a trial runs (fallback ports, if any, are in each trial's launcher.log)")
     return exporter
 
 
-def ensure_config_readable(path: str | None) -> None:
-    if path is not None and not Path(path).is_file():
-        raise ConfigError(f"{path}: no such file; pass an existing ds_config.json")
