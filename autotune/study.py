@@ -8,6 +8,7 @@ written atomically (temp file + rename).
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import sqlite3
@@ -72,8 +73,29 @@ class TrialRow:
     pgid: int | None
 
 
+CRASH_ENV = "AUTOTUNE_TEST_CRASH_AT"
+"""Test-only: `POINT[:N]` makes the controller os._exit(99) at a precise point (see crash_point)."""
+_writes = 0
+
+
+def crash_point(point: str, number: int | None = None) -> None:
+    """Test hook: die at once (as SIGKILL would) when AUTOTUNE_TEST_CRASH_AT names this point.
+
+    Points: after-start:N, during-trial:N, before-finish:N, after-finish:N (N = trial
+    number) and write:K (inside the K-th atomic file write of this process, after the
+    temporary file is written and before it replaces the real one).
+    """
+    spec = os.environ.get(CRASH_ENV)
+    if not spec:
+        return
+    want, _, n = spec.partition(":")
+    if want == point and (not n or number is None or n == str(number)):
+        os._exit(99)
+
+
 def write_atomic(path: Path, text: str) -> None:
     """Write text so readers see the old or the new file, never half of one."""
+    global _writes
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
@@ -81,17 +103,55 @@ def write_atomic(path: Path, text: str) -> None:
             fh.write(text)
             fh.flush()
             os.fsync(fh.fileno())
+        _writes += 1
+        crash_point("write", _writes)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(folder: Path) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 class Study:
     def __init__(self, root: Path, conn: sqlite3.Connection) -> None:
         self.root = root
         self._db = conn
+        self._lock_fd: int | None = None
+
+    def lock(self) -> None:
+        """Hold the study for this process: a second controller on the same study is refused.
+
+        An flock on `.lock` in the study folder; the kernel releases it when the process
+        dies, so a SIGKILLed controller never leaves a stale lock behind.
+        """
+        if self._lock_fd is not None:
+            return
+        path = self.root / ".lock"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.read(fd, 64).decode("ascii", "replace").strip() or "another process"
+            os.close(fd)
+            raise StudyError(f"{self.root}: in use by another autotune run (pid {holder}); "
+                             "wait for it to end or choose another --study") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, str(os.getpid()).encode())
+        self._lock_fd = fd
 
     # -- opening ------------------------------------------------------------
     @classmethod
@@ -108,16 +168,25 @@ class Study:
             if not create:
                 raise StudyError(f"{root}: no study here; run without --resume to start one")
             root.mkdir(parents=True, exist_ok=True)
+        if db_path.exists():
+            _probe_readonly(db_path)  # refuse foreign files before anything writes to them
         conn = _connect(db_path)
         study = cls(root, conn)
         fmt = study.get_meta("format")
         if fmt is None:
             if not create:
+                conn.close()
                 raise StudyError(f"{db_path}: not an autotune study database")
             study._init(meta or {})
         elif fmt != str(STUDY_FORMAT):
+            conn.close()
             raise StudyError(f"{root}: study format {fmt}, this autotune reads format {STUDY_FORMAT}; "
                              "start a new study with another --study")
+        try:
+            study.lock()
+        except StudyError:
+            conn.close()
+            raise
         return study
 
     def _init(self, meta: dict[str, Any]) -> None:
@@ -131,6 +200,9 @@ class Study:
 
     def close(self) -> None:
         self._db.close()
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
 
     # -- meta ---------------------------------------------------------------
     def get_meta(self, key: str) -> str | None:
@@ -165,13 +237,14 @@ class Study:
     def finish_trial(self, trial_id: int, *, status: str, samples_per_second: float | None,
                      failure_reason: str | None, failure_detail: str | None,
                      summary: dict | None, rules_fired: list[str], wall_seconds: float) -> None:
+        """Record a result, once: a trial already finished or marked interrupted is left as it is."""
         with self._db:
             self._db.execute(
                 "UPDATE trials SET status=?, samples_per_second=?, failure_reason=?, failure_detail=?,"
-                " summary_json=?, rules_fired=?, finished=?, wall_seconds=? WHERE id=?",
+                " summary_json=?, rules_fired=?, finished=?, wall_seconds=? WHERE id=? AND status=?",
                 (status, samples_per_second, failure_reason, failure_detail,
                  None if summary is None else json.dumps(summary), json.dumps(rules_fired),
-                 time.time(), wall_seconds, trial_id),
+                 time.time(), wall_seconds, trial_id, STATUS_RUNNING),
             )
 
     def interrupt_running(self) -> list[TrialRow]:
@@ -200,12 +273,37 @@ class Study:
         ]
 
     def counted(self) -> list[TrialRow]:
-        """Finished trials (ok or failed): the ones the budget counts."""
-        return [t for t in self.trials() if t.status in COUNTED]
+        """Finished trials (ok or failed): the ones the budget counts, one per trial number."""
+        seen: set[int] = set()
+        out = []
+        for t in self.trials():
+            if t.status in COUNTED and t.number not in seen:
+                seen.add(t.number)
+                out.append(t)
+        return out
 
     def best(self) -> TrialRow | None:
         ok = [t for t in self.trials() if t.status == STATUS_OK and t.samples_per_second]
         return max(ok, key=lambda t: t.samples_per_second or 0.0) if ok else None
+
+
+def _probe_readonly(path: Path) -> None:
+    """Open read-only and look for our tables: a foreign or damaged file is refused untouched."""
+    try:
+        conn = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True, timeout=30)
+    except sqlite3.Error as exc:
+        raise StudyError(f"{path}: cannot open ({exc}); choose another --study") from None
+    try:
+        names = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+    except sqlite3.Error as exc:
+        raise StudyError(f"{path}: not a readable SQLite database ({exc}); choose another --study") from None
+    finally:
+        conn.close()
+    if not names:
+        raise StudyError(f"{path}: empty study database (the controller died while creating it); "
+                         "delete the folder and start again")
+    if not {"meta", "trials"} <= names:
+        raise StudyError(f"{path}: not an autotune study database; choose another --study")
 
 
 def _connect(path: Path) -> sqlite3.Connection:

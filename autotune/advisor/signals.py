@@ -1,0 +1,140 @@
+"""Signal sets: the named numbers rules read, whatever the input format.
+
+A rule never sees a TrialSummary, an nvidia-smi table or a ds_config
+directly; it sees a `SignalSet` (name -> value) so that one condition
+language works for every input. A value of None means "not available" and
+`unavailable` says why, so the engine can report insufficient data instead
+of skipping a rule.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from autotune.summary import TrialSummary
+
+# Signals derived from measurements (metrics CSV, nvidia-smi, Prometheus export).
+METRIC_SIGNALS: frozenset[str] = frozenset({
+    "device_utilization_fluctuation", "cross_device_fluctuation", "device_utilization_mean",
+    "comm_compute_ratio", "comm_compute_ratio_mean", "transfer_compute_ratio",
+    "bubble_fraction_measured", "bubble_fraction_ideal", "bubble_fraction_excess",
+    "stage_compute_imbalance", "step_time_jitter", "samples_per_second",
+    "memory_fragmentation_ratio", "memory_peak_bytes", "memory_used_ratio", "oom",
+})
+# The batch layout: known from a trial's metrics or from a ds_config plus --stages/--world-size.
+LAYOUT_SIGNALS: frozenset[str] = frozenset({
+    "micro_batch_size", "gradient_accumulation_steps", "pipeline_stages", "data_parallel_size",
+    "reduce_bucket_size", "micro_batches_remainder",
+})
+# Facts read from the ds_config alone (computed in config_rules.py).
+CONFIG_SIGNALS: frozenset[str] = frozenset({
+    "config.zero_stage", "config.reduce_bucket_size_set", "config.ignored_pipeline_keys",
+    "config.bucket_sizes_as_bytes", "config.bf16_enabled", "config.fp16_keys_under_bf16",
+    "config.timers_enabled", "config.unknown_bucket_keys",
+})
+ALL_SIGNALS: frozenset[str] = METRIC_SIGNALS | LAYOUT_SIGNALS | CONFIG_SIGNALS
+
+FRAGMENTATION_NOT_AVAILABLE = (
+    "not available: no CUDA caching allocator in this input (CPU run), never reported as 0"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class RankValue:
+    """One rank's (or one device's) value of a signal: evidence for "which ranks/stages"."""
+
+    value: float
+    rank: int | None = None
+    stage: int | None = None
+    device: str = ""
+
+
+@dataclass(kw_only=True, slots=True)
+class SignalSet:
+    """Everything the rules may read about one subject (a trial, a device log, a config)."""
+
+    subject: str
+    """Human name: "trial 3", "nvidia-smi log", "ds_config.json"."""
+    kind: str = "metrics"
+    """"metrics" (a measured trial or log) or "config" (a ds_config alone)."""
+    trial: int | None = None
+    values: dict[str, float | None] = field(default_factory=dict)
+    per_rank: dict[str, list[RankValue]] = field(default_factory=dict)
+    """Per-rank breakdown of a signal, used to name the ranks/stages a finding concerns."""
+    unavailable: dict[str, str] = field(default_factory=dict)
+    """Signal -> why it is missing (printed in "insufficient data" findings)."""
+    details: dict[str, str] = field(default_factory=dict)
+    """Signal -> extra evidence text (e.g. which config keys)."""
+
+    def get(self, name: str) -> float | None:
+        return self.values.get(name)
+
+    def why_missing(self, name: str) -> str:
+        return self.unavailable.get(name, "not present in this input")
+
+
+def layout_values(micro: int | None, gas: int | None, stages: int | None, dp: int | None,
+                  bucket: int | None) -> dict[str, float | None]:
+    """The layout signals, including the derived micro-batch remainder (GAS mod stages)."""
+    rem = float(gas % stages) if gas is not None and stages else None
+    return {
+        "micro_batch_size": _f(micro), "gradient_accumulation_steps": _f(gas),
+        "pipeline_stages": _f(stages), "data_parallel_size": _f(dp),
+        "reduce_bucket_size": _f(bucket), "micro_batches_remainder": rem,
+    }
+
+
+def _f(v: int | float | None) -> float | None:
+    return None if v is None else float(v)
+
+
+def from_summary(s: TrialSummary, *, oom: bool | None = None,
+                 device_memory_bytes: float | None = None) -> SignalSet:
+    """A trial summary as signals. `oom` is the trial outcome when the caller knows it."""
+    values: dict[str, float | None] = {
+        "device_utilization_fluctuation": s.device_utilization_fluctuation,
+        "cross_device_fluctuation": s.cross_device_fluctuation,
+        "device_utilization_mean": s.device_utilization_mean,
+        "comm_compute_ratio": s.comm_compute_ratio,
+        "comm_compute_ratio_mean": s.comm_compute_ratio_mean,
+        "transfer_compute_ratio": s.transfer_compute_ratio,
+        "bubble_fraction_measured": s.bubble_fraction_measured,
+        "bubble_fraction_ideal": s.bubble_fraction_ideal,
+        "bubble_fraction_excess": s.bubble_fraction_measured - s.bubble_fraction_ideal,
+        "stage_compute_imbalance": s.stage_compute_imbalance,
+        "step_time_jitter": s.step_time_jitter if s.steps > 1 else None,
+        "samples_per_second": s.samples_per_second,
+        "memory_fragmentation_ratio": s.memory_fragmentation_ratio,
+        "memory_peak_bytes": s.memory_peak_bytes,
+        "memory_used_ratio": (s.memory_peak_bytes / device_memory_bytes
+                              if s.memory_peak_bytes is not None and device_memory_bytes else None),
+        "oom": None if oom is None else float(oom),
+    }
+    values.update(layout_values(s.micro_batch_size, s.gradient_accumulation_steps,
+                                s.pipeline_stages, s.data_parallel_size, s.reduce_bucket_size))
+    per_rank: dict[str, list[RankValue]] = {
+        "device_utilization_fluctuation": [
+            RankValue(r.device_utilization_fluctuation, r.rank, r.stage) for r in s.ranks
+            if r.device_utilization_fluctuation is not None],
+        "comm_compute_ratio": [RankValue(r.comm_compute_ratio, r.rank, r.stage) for r in s.ranks
+                               if r.comm_compute_ratio is not None],
+        "bubble_fraction_measured": [RankValue(r.bubble_fraction, r.rank, r.stage) for r in s.ranks],
+        "bubble_fraction_excess": [RankValue(r.bubble_fraction - s.bubble_fraction_ideal, r.rank, r.stage)
+                                   for r in s.ranks],
+        "stage_compute_imbalance": [RankValue(s.stage_compute_imbalance, None, s.slowest_stage)],
+    }
+    unavailable = {
+        "memory_fragmentation_ratio": FRAGMENTATION_NOT_AVAILABLE,
+        "oom": "the metrics do not say whether a trial ran out of memory (autotune run does)",
+        "memory_used_ratio": "device memory size unknown in a metrics CSV",
+        "step_time_jitter": "needs at least two measured steps",
+        "device_utilization_fluctuation": "needs at least two measured steps per rank",
+        "cross_device_fluctuation": "needs at least two ranks",
+        "comm_compute_ratio": "no compute time recorded",
+        "transfer_compute_ratio": "no compute time recorded",
+        "reduce_bucket_size": "not set, or has no effect in this run",
+    }
+    details = {"stage_compute_imbalance": "per-stage compute s: "
+               + ", ".join(f"{c:.3g}" for c in s.stage_compute_seconds)}
+    return SignalSet(subject=f"trial {s.trial}", kind="metrics", trial=s.trial, values=values,
+                     per_rank=per_rank, unavailable=unavailable, details=details)

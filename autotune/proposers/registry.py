@@ -1,0 +1,57 @@
+"""Proposers by name: the one place `autotune run --proposer` and the benchmark build them."""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+
+from autotune.errors import UserError
+from autotune.proposers.base import Proposer
+from autotune.proposers.baselines import DSAutotunerProposer, GridProposer, RandomProposer
+from autotune.proposers.bayes import BayesProposer
+from autotune.proposers.hybrid import HybridProposer, MovesFn
+from autotune.space import SearchSpace
+
+DEFAULT = "hybrid"
+
+
+def default_moves() -> MovesFn | None:
+    """`autotune.advisor.moves.propose_moves` when the rule engine is installed, else None."""
+    try:
+        from autotune.advisor.moves import propose_moves
+    except ImportError:
+        return None
+    return propose_moves
+
+
+def optuna_available() -> bool:
+    return importlib.util.find_spec("optuna") is not None
+
+
+def names() -> list[str]:
+    """Every proposer name usable here (the Optuna ones only when optuna is installed)."""
+    base = ["hybrid", "bayes", "random", "grid", "ds-autotuner"]
+    return base + (["optuna-gp", "optuna-tpe"] if optuna_available() else [])
+
+
+def make_proposer(name: str, space: SearchSpace, *, seed: int, moves: MovesFn | None = None,
+                  budget: int | None = None) -> Proposer:
+    """Build the proposer called `name`.
+
+    `moves` (hybrid only) defaults to the rule engine's `propose_moves`;
+    `budget` (hybrid only) enables re-measuring the best point at the end.
+    """
+    builders: dict[str, Callable[[], Proposer]] = {
+        "hybrid": lambda: HybridProposer(space, seed=seed, moves=moves or default_moves(), budget=budget),
+        "bayes": lambda: BayesProposer(space, seed=seed),
+        "random": lambda: RandomProposer(space, seed=seed),
+        "grid": lambda: GridProposer(space, seed=seed),
+        "ds-autotuner": lambda: DSAutotunerProposer(space, seed=seed),
+    }
+    if name in ("optuna-gp", "optuna-tpe") and optuna_available():
+        from autotune.proposers.optuna_backend import OptunaProposer
+
+        return OptunaProposer(space, seed=seed, sampler=name.removeprefix("optuna-"))
+    if name not in builders:
+        raise UserError(f"unknown proposer {name!r}; choose one of {', '.join(names())}")
+    return builders[name]()

@@ -1,0 +1,43 @@
+"""Helpers for tests that launch real DeepSpeed processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from autotune.launcher import LaunchSpec, run_trial_process
+from autotune.metrics_csv import read_metrics_csv
+from autotune.summary import TrialSummary, summarize_trial
+
+
+def autotune_cli(*args: str, cwd: Path, timeout: float = 900, env: dict | None = None):
+    """Run the real `autotune` CLI in a subprocess; returns CompletedProcess."""
+    return subprocess.run([sys.executable, "-m", "autotune", *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def run_ranks(tmp: Path, ds_config: dict, *, ranks: int = 2, extra: list[str] = (), steps: int = 4,
+              warmup: int = 1, preset: str = "small", stages: int = 2) -> tuple[list, TrialSummary | None, int]:
+    """One real multi-process training run of the built-in workload; returns (records, summary, rc)."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    cfg = tmp / "ds_config.json"
+    cfg.write_text(json.dumps(ds_config))
+    spec = LaunchSpec(
+        num_ranks=ranks, log_path=tmp / "launcher.log", timeout=600,
+        script_args=["--ds-config", str(cfg), "--metrics-csv", str(tmp / "m{rank}.csv"),
+                     "--preset", preset, "--stages", str(stages), "--steps", str(steps),
+                     "--warmup-steps", str(warmup), *extra],
+    )
+    out = run_trial_process(spec)
+    records = [r for p in sorted(tmp.glob("m*.csv")) for r in read_metrics_csv(p)]
+    return records, (summarize_trial(records) if records else None), out.returncode
+
+
+def pipeline_config(micro: int, gas: int, **extra) -> dict:
+    cfg = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": gas,
+           "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}, "steps_per_print": 10**9}
+    cfg.update(extra)
+    return cfg

@@ -1,0 +1,179 @@
+"""Each built-in rule fires on a small fixture made for it and stays quiet on a healthy one."""
+
+from __future__ import annotations
+
+import pytest
+from advise_helpers import healthy_summary
+
+from autotune.advisor import check_config, evaluate, load_rules
+from autotune.advisor.targets import gas_for_bubble, loader_workers
+from autotune.dsconfig import DsConfig
+from autotune.summary import RankSummary
+
+
+def fired(findings, rule_id):
+    return [f for f in findings if f.rule_id == rule_id and f.fired]
+
+
+def _ranks(**kw):
+    return [RankSummary(rank=r, stage=r // 2, steps=10, device_utilization_mean=0.8,
+                        device_utilization_fluctuation=kw.get("fl", 0.05),
+                        comm_compute_ratio=kw.get("ccr", 0.1), compute_seconds_mean=0.5,
+                        comm_seconds_mean=0.03, wait_seconds_mean=0.02,
+                        bubble_fraction=kw.get("bubble", 0.15), wait_fraction=0.1)
+            for r in range(4)]
+
+
+METRIC_CASES = {
+    "utilization-fluctuation": dict(device_utilization_fluctuation=0.22, ranks=_ranks(fl=0.22)),
+    "comm-compute-high": dict(comm_compute_ratio=0.4, ranks=_ranks(ccr=0.4)),
+    "comm-compute-above-target": dict(comm_compute_ratio=0.2),
+    "fragmentation-high": dict(memory_fragmentation_ratio=0.12),
+    "bubble-above-ideal": dict(bubble_fraction_measured=0.35, ranks=_ranks(bubble=0.35)),
+    "bubble-ideal-above-target": dict(gradient_accumulation_steps=2),
+    "micro-batches-not-multiple-of-stages": dict(gradient_accumulation_steps=9),
+    "stage-imbalance": dict(stage_compute_imbalance=1.4, slowest_stage=0),
+    "step-time-jitter": dict(step_time_jitter=0.3),
+}
+
+
+@pytest.mark.parametrize("rule_id", sorted(METRIC_CASES))
+def test_metric_rule_fires(rule_id):
+    findings = evaluate([healthy_summary(**METRIC_CASES[rule_id])])
+    got = fired(findings, rule_id)
+    assert len(got) == 1
+    f = got[0]
+    assert f.evidence[0].measured is not None
+    assert f.evidence[0].threshold == next(r for r in load_rules() if r.id == rule_id).threshold
+    assert f.changes, "every fired built-in rule proposes a concrete change"
+
+
+@pytest.mark.parametrize("rule_id", sorted(METRIC_CASES))
+def test_metric_rule_quiet_on_healthy(rule_id):
+    assert fired(evaluate([healthy_summary()]), rule_id) == []
+
+
+def test_out_of_memory_fires_only_on_oom_outcome():
+    s = healthy_summary()
+    f = fired(evaluate([s], context={"failure_reason": "oom"}), "out-of-memory")
+    assert f and {c.target for c in f[0].changes} == {"micro_batch_size"}  # no config: no config move
+    assert fired(evaluate([s], context={"failure_reason": None}), "out-of-memory") == []
+
+
+def test_memory_near_limit_needs_device_size():
+    s = healthy_summary(memory_peak_bytes=76e9)
+    assert fired(evaluate([s], context={"device_memory_bytes": 80e9}), "memory-near-limit")
+    assert not fired(evaluate([s], context={"device_memory_bytes": 160e9}), "memory-near-limit")
+
+
+def test_evidence_names_ranks_and_stages():
+    ranks = _ranks(fl=0.05)
+    ranks[3].device_utilization_fluctuation = 0.3
+    f = fired(evaluate([healthy_summary(device_utilization_fluctuation=0.3, ranks=ranks)]),
+              "utilization-fluctuation")[0]
+    assert f.evidence[0].ranks == [3] and f.evidence[0].stages == [1]
+
+
+def test_stage_imbalance_names_slowest_stage_and_partition_method():
+    f = fired(evaluate([healthy_summary(stage_compute_imbalance=1.5, slowest_stage=0)]), "stage-imbalance")[0]
+    assert f.evidence[0].stages == [0]
+    assert f.changes[0].target == "PipelineModule:partition_method"
+    assert f.expected_impact == pytest.approx(1 - 1 / 1.5, abs=1e-3)
+
+
+def test_bubble_target_proposes_multiple_of_stages():
+    f = fired(evaluate([healthy_summary(gradient_accumulation_steps=2, pipeline_stages=4)]),
+              "bubble-ideal-above-target")[0]
+    new = f.changes[0].new
+    assert new % 4 == 0 and (4 - 1) / (new + 4 - 1) <= 0.2
+
+
+@pytest.mark.parametrize("p,target,expected", [(2, 0.2, 4), (4, 0.2, 12), (8, 0.1, 64), (1, 0.2, 1)])
+def test_gas_for_bubble(p, target, expected):
+    assert gas_for_bubble(p, target) == expected
+
+
+@pytest.mark.parametrize("cores,expected", [(1, 1), (2, 1), (8, 5), (16, 10)])
+def test_loader_workers_within_half_to_three_quarters(cores, expected):
+    assert loader_workers(cores) == expected
+
+
+def test_fragmentation_none_is_reported_not_available():
+    findings = evaluate([healthy_summary(memory_fragmentation_ratio=None)])
+    f = [x for x in findings if x.rule_id == "fragmentation-high"]
+    assert len(f) == 1 and not f[0].fired
+    assert "not available" in f[0].missing["memory_fragmentation_ratio"]
+
+
+def test_comm_high_prefers_smaller_bucket_only_when_it_acts():
+    f = fired(evaluate([healthy_summary(comm_compute_ratio=0.5)]), "comm-compute-high")[0]
+    assert [c.target for c in f.changes] == ["reduce_bucket_size", "gradient_accumulation_steps"]
+    f = fired(evaluate([healthy_summary(comm_compute_ratio=0.5, reduce_bucket_size=None)]), "comm-compute-high")[0]
+    assert [c.target for c in f.changes] == ["gradient_accumulation_steps"]
+
+
+def test_findings_ranked_by_impact():
+    findings = evaluate([healthy_summary(comm_compute_ratio=0.9, step_time_jitter=0.12)])
+    impacts = [f.expected_impact for f in findings if f.fired]
+    assert impacts == sorted(impacts, reverse=True) and findings[0].rule_id == "comm-compute-high"
+
+
+# ------------------------------------------------------------------ config rules
+
+BASE = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 8,
+        "zero_optimization": {"stage": 1, "reduce_bucket_size": 100000}}
+CONFIG_CASES = {
+    "zero-stage-with-pipeline": {"zero_optimization": {"stage": 3}},
+    "timers-crash-pipeline": {"wall_clock_breakdown": True},
+    "ignored-pipeline-keys": {"pipeline": {"stages": 4, "partition_method": "uniform",
+                                           "activation_checkpoint_interval": 1}},
+    "reduce-bucket-under-zero0": {"zero_optimization": {"stage": 0, "reduce_bucket_size": 200000000}},
+    "bucket-size-in-bytes": {"zero_optimization": {"stage": 1, "reduce_bucket_size": 536870912}},
+    "fp16-keys-under-bf16": {"bf16": {"enabled": True}, "fp16": {"initial_scale_power": 16}},
+    "unknown-bucket-key": {"allreduce_bucket_size": 50000000},
+}
+
+
+@pytest.mark.parametrize("rule_id", sorted(CONFIG_CASES))
+def test_config_rule_fires(rule_id):
+    cfg = DsConfig.from_dict({**BASE, **CONFIG_CASES[rule_id]})
+    got = fired(check_config(cfg), rule_id)
+    assert len(got) == 1 and got[0].changes
+
+
+@pytest.mark.parametrize("rule_id", sorted(CONFIG_CASES))
+def test_config_rule_quiet_on_clean_config(rule_id):
+    assert fired(check_config(DsConfig.from_dict(BASE)), rule_id) == []
+
+
+def test_ignored_keys_evidence_lists_keys_but_keeps_read_ones():
+    cfg = DsConfig.from_dict({**BASE, **CONFIG_CASES["ignored-pipeline-keys"]})
+    f = fired(check_config(cfg), "ignored-pipeline-keys")[0]
+    assert "pipeline.partition_method" in f.evidence[0].detail
+    assert "activation_checkpoint_interval" not in f.evidence[0].detail
+    assert f.changes[0].new == {"activation_checkpoint_interval": 1}
+
+
+def test_bytes_converted_to_elements_of_training_dtype():
+    cfg = DsConfig.from_dict({**BASE, "zero_optimization": {"stage": 1, "reduce_bucket_size": 2**28}})
+    assert fired(check_config(cfg), "bucket-size-in-bytes")[0].changes[0].new == 67_000_000  # fp32: /4
+    cfg = DsConfig.from_dict({**BASE, "bf16": {"enabled": True},
+                              "zero_optimization": {"stage": 1, "reduce_bucket_size": 2**28}})
+    assert fired(check_config(cfg), "bucket-size-in-bytes")[0].changes[0].new == 130_000_000  # bf16: /2
+
+
+def test_default_5e8_is_not_flagged_as_bytes():
+    cfg = DsConfig.from_dict({**BASE, "zero_optimization": {"stage": 1, "reduce_bucket_size": 500000000}})
+    assert fired(check_config(cfg), "bucket-size-in-bytes") == []
+
+
+def test_layout_rules_need_stages_in_check():
+    cfg = DsConfig.from_dict({**BASE, "gradient_accumulation_steps": 2})
+    assert fired(check_config(cfg, stages=4, world_size=8), "bubble-ideal-above-target")
+    [f] = [f for f in check_config(cfg) if f.rule_id == "bubble-ideal-above-target"]
+    assert not f.fired and "--stages" in f.missing["pipeline_stages"]
+
+
+def test_config_rules_without_config_are_insufficient_in_advise():
+    f = [x for x in evaluate([healthy_summary()]) if x.rule_id == "zero-stage-with-pipeline"]
+    assert len(f) == 1 and not f[0].fired and "--config" in next(iter(f[0].missing.values()))

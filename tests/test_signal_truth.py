@@ -1,0 +1,51 @@
+"""The signals against ground truth on real DeepSpeed runs (2 ranks, CPU, gloo)."""
+
+from __future__ import annotations
+
+import pytest
+from launch_helpers import pipeline_config, run_ranks
+
+pytestmark = pytest.mark.slow
+
+SLOW = ["--partition-method", "uniform", "--slow-stage", "1"]
+
+
+def stage_ratio(summary) -> float:
+    return summary.stage_compute_seconds[1] / summary.stage_compute_seconds[0]
+
+
+def test_injected_slow_stage_shows_as_imbalance_and_waiting(tmp_path):
+    """Stage 1 made 3x slower: its compute share grows 3x (within 15 %), stage 0 waits more."""
+    cfg = pipeline_config(4, 4)
+    _, base, rc0 = run_ranks(tmp_path / "base", cfg, extra=[*SLOW, "--slow-factor", "1"])
+    _, slow, rc1 = run_ranks(tmp_path / "slow", cfg, extra=[*SLOW, "--slow-factor", "3"])
+    assert rc0 == rc1 == 0
+    measured = stage_ratio(slow) / stage_ratio(base)
+    assert measured == pytest.approx(3.0, rel=0.15)
+    assert slow.slowest_stage == 1
+    assert slow.stage_compute_imbalance > base.stage_compute_imbalance
+    wait0 = lambda s: next(r for r in s.ranks if r.stage == 0).wait_seconds_mean  # noqa: E731
+    assert wait0(slow) > 2 * wait0(base)
+
+
+def test_balanced_bubble_tracks_the_ideal(tmp_path):
+    """Measured idle share follows (p-1)/(m+p-1) as m grows."""
+    measured = {}
+    for m in (1, 2, 8):
+        _, s, rc = run_ranks(tmp_path / f"m{m}", pipeline_config(4, m), steps=3)
+        assert rc == 0
+        measured[m] = (s.bubble_fraction_measured, s.bubble_fraction_ideal)
+    for got, ideal in measured.values():
+        assert got == pytest.approx(ideal, abs=0.12), measured
+    assert measured[1][0] > measured[2][0] > measured[8][0]
+
+
+def test_samples_per_second_agrees_with_counted_samples_over_wall_time(tmp_path):
+    records, s, rc = run_ranks(tmp_path, pipeline_config(2, 4), steps=5)
+    assert rc == 0
+    rank0 = sorted((r for r in records if r.rank == 0 and not r.warmup), key=lambda r: r.step)
+    samples = len(rank0) * 2 * 4  # micro x GAS x dp(1) per step
+    wall = rank0[-1].time - (rank0[0].time - rank0[0].step_seconds)
+    assert samples / wall == pytest.approx(s.samples_per_second, rel=0.15)
+    assert s.tokens_per_second == pytest.approx(s.samples_per_second * 64)
+    assert s.loss_last < s.loss_first  # the synthetic stream is learnable
