@@ -92,8 +92,17 @@ class PipelineProbe:
             return self._measured_step(inner, *args, **kwargs)
 
         eng.train_batch = train_batch
+        self._inner_train_batch = inner
         self._installed = True
         return self
+
+    def uninstall(self) -> None:
+        """Give the engine back its own instruction map and train_batch (overhead benchmark)."""
+        if not self._installed:
+            return
+        del self.engine._INSTRUCTION_MAP
+        self.engine.train_batch = self._inner_train_batch
+        self._installed = False
 
     def _wrap(self, fn: Callable, category: str) -> Callable:
         timer = self.timer
