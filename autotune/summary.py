@@ -33,6 +33,17 @@ def fluctuation(samples: Sequence[float]) -> float | None:
     return statistics.pstdev(vals)
 
 
+def bubble_fraction(compute_seconds: float, step_seconds: float) -> float:
+    """Measured bubble: the share of the step a rank was not computing, 1 - compute/step.
+
+    It holds the pipeline bubble (waiting for peer stages) plus transfer and
+    data-loading time, so it sits at or above the ideal (p-1)/(m+p-1).
+    """
+    if step_seconds <= 0:
+        return 0.0
+    return max(0.0, 1.0 - compute_seconds / step_seconds)
+
+
 def comm_compute_ratio(comm: float, wait: float, compute: float) -> float | None:
     """(communication + waiting for peers) / compute time; None without compute time."""
     if compute <= 0:
@@ -169,7 +180,7 @@ def summarize_trial(records: Sequence[StepRecord]) -> TrialSummary | None:
             comm_compute_ratio=comm_compute_ratio(comm, wait, comp),
             compute_seconds_mean=comp / len(rows), comm_seconds_mean=comm / len(rows),
             wait_seconds_mean=wait / len(rows),
-            bubble_fraction=max(0.0, 1.0 - comp / total) if total > 0 else 0.0,
+            bubble_fraction=bubble_fraction(comp, total),
             wait_fraction=wait / total if total > 0 else 0.0,
         ))
 

@@ -44,7 +44,7 @@ _SIGNALS: tuple[tuple[str, str, str], ...] = (
     ("autotune_last_trial_memory_fragmentation_ratio", "memory_fragmentation_ratio",
      "Worst rank's 1 - allocated/reserved of the last trial; absent on CPU."),
     ("autotune_last_trial_bubble_measured_ratio", "bubble_fraction_measured",
-     "Mean over ranks of wait / step seconds in the last trial."),
+     "Mean over ranks of the idle share 1 - compute/step in the last trial."),
     ("autotune_last_trial_bubble_ideal_ratio", "bubble_fraction_ideal",
      "Ideal 1F1B bubble (p-1)/(m+p-1) of the last trial."),
     ("autotune_last_trial_stage_compute_imbalance", "stage_compute_imbalance",

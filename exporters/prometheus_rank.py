@@ -35,7 +35,7 @@ from prometheus_client.core import (
 )
 
 from autotune.schema import RankSnapshot, StepRecord
-from autotune.summary import comm_compute_ratio, fluctuation, ideal_bubble_fraction
+from autotune.summary import bubble_fraction, comm_compute_ratio, fluctuation, ideal_bubble_fraction
 from exporters.endpoint import Endpoint, serve_registry
 
 DEFAULT_RANK_BASE_PORT = 9710
@@ -205,8 +205,8 @@ class RankExporter:
         yield from gauge("autotune_step_data_seconds", "Data loading seconds in the last step.",
                          r.data_seconds)
         yield from gauge("autotune_bubble_measured_ratio",
-                         "This rank's wait seconds / step seconds in the last step.",
-                         r.wait_seconds / r.step_seconds if r.step_seconds > 0 else None)
+                         "This rank's idle share 1 - compute/step in the last step.",
+                         bubble_fraction(r.compute_seconds, r.step_seconds) if r.step_seconds > 0 else None)
         yield from gauge("autotune_bubble_ideal_ratio",
                          "1F1B ideal bubble (p-1)/(m+p-1), m = gradient accumulation steps.",
                          _ideal(r))

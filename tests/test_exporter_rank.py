@@ -43,7 +43,7 @@ def test_gauges_follow_the_signal_definitions():
     assert value(reg, "autotune_device_utilization_ratio", **lab) == pytest.approx(r.device_utilization)
     assert value(reg, "autotune_comm_compute_ratio", **lab) == pytest.approx(
         comm_compute_ratio(r.comm_seconds, r.wait_seconds, r.compute_seconds))
-    assert value(reg, "autotune_bubble_measured_ratio", **lab) == pytest.approx(r.wait_seconds / r.step_seconds)
+    assert value(reg, "autotune_bubble_measured_ratio", **lab) == pytest.approx(1 - r.compute_seconds / r.step_seconds)
     assert value(reg, "autotune_bubble_ideal_ratio", **lab) == pytest.approx(ideal_bubble_fraction(2, 4))
     assert value(reg, "autotune_step_compute_seconds", **lab) == pytest.approx(r.compute_seconds)
     assert value(reg, "autotune_step_wait_seconds", **lab) == pytest.approx(r.wait_seconds)
