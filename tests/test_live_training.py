@@ -1,0 +1,101 @@
+"""Live metrics from a real training job: `autotune run` (controller + 4 DeepSpeed ranks on CPU)
+scraped by a real Prometheus; every dashboard query and rule evaluated against it."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+import yaml
+from prom_helpers import free_port, prometheus_server
+from test_live_prometheus import (
+    ABSENT_ON_CPU,
+    ALERTS,
+    DASH,
+    check_result,
+    dashboard_queries,
+    expected_labels,
+    substitute,
+)
+
+from exporters.prometheus_rank import LABEL_NAMES
+
+pytestmark = [pytest.mark.slow, pytest.mark.prometheus]
+JOB = "autotune"
+
+
+@pytest.fixture(scope="module")
+def live_job(tmp_path_factory):
+    work = tmp_path_factory.mktemp("live")
+    ctl, base = free_port(), free_port()
+    while any(abs(base + i - ctl) == 0 for i in range(4)):
+        base = free_port()
+    targets = [f"127.0.0.1:{ctl}"] + [f"127.0.0.1:{base + i}" for i in range(4)]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "autotune", "run", "--budget", "2", "--steps", "60", "--warmup-steps", "1",
+         "--study", str(work / "st"), "--metrics-port", str(ctl), "--rank-metrics-port", str(base)],
+        stdout=open(work / "run.log", "w"), stderr=subprocess.STDOUT)
+    try:
+        with prometheus_server(targets, rule_files=[ALERTS]) as prom:
+            def trial1_running() -> bool:
+                assert proc.poll() is None, (work / "run.log").read_text()[-3000:]
+                ranks = prom.query(f'autotune_steps_total{{job="{JOB}",trial="1"}}')
+                history = prom.query(f'autotune_trial_samples_per_second{{job="{JOB}"}}')
+                return len(ranks) == 4 and len(history) >= 1
+
+            prom.wait_until(trial1_running, timeout=600, what="trial 1 running with 4 rank series")
+            time.sleep(4)  # rate() windows and rule evaluations over trial 1
+            yield prom, proc, work
+    finally:
+        proc.wait(timeout=600)
+
+
+def test_every_panel_and_variable_returns_data_from_the_real_job(live_job):
+    prom, _, _ = live_job
+    for title, ref, raw in dashboard_queries():
+        expr = substitute(raw, JOB)
+        absent = any(m in expr for m in ABSENT_ON_CPU)  # CPU: memory series must not exist
+        labels, exact = expected_labels(expr)
+        check_result(prom, f"panel {title!r} {ref}", expr, JOB, not absent, labels, exact)
+    dash = json.loads(DASH.read_text())
+    for var in (v for v in dash["templating"]["list"] if v["type"] == "query"):
+        m = re.match(r"label_values\((.*),\s*(\w+)\)$", var["definition"])
+        assert prom.api(f"label/{m.group(2)}/values", **{"match[]": substitute(m.group(1), JOB)})
+
+
+def test_every_rule_expression_evaluates_on_the_real_job(live_job):
+    prom, _, _ = live_job
+    groups = yaml.safe_load(ALERTS.read_text())["groups"]
+    for rule in (r for g in groups for r in g["rules"]):
+        if "record" in rule:
+            labels = set(re.match(r"(\w+):", rule["record"]).group(1).split("_"))
+            check_result(prom, rule["record"], f'{rule["record"]}{{job="{JOB}"}}', JOB, True, labels, True)
+            continue
+        signal = rule["expr"].rsplit(" > ", 1)[0]  # the measured side, without the threshold
+        absent = "fragmentation" in signal
+        per_rank = "job_trial:" not in signal
+        labels = set(LABEL_NAMES) if per_rank else {"job", "trial"}
+        check_result(prom, rule["alert"], f"({signal}) and on (job) (autotune_steps_total{{job=\"{JOB}\"}})",
+                     JOB, not absent, labels, not per_rank)
+
+
+def test_alert_fires_where_the_real_signal_crosses_its_threshold(live_job):
+    """On 4 CPU ranks the comm/compute ratio is far above 0.25; the alert must be active."""
+    prom, _, _ = live_job
+    ratios = [float(s["value"][1]) for s in prom.query(f'autotune_comm_compute_ratio{{job="{JOB}"}}')]
+    active = {a["labels"]["alertname"] for a in prom.api("alerts")["alerts"]}
+    assert ("AutotuneCommComputeHigh" in active) == any(r > 0.25 for r in ratios), (ratios, active)
+    assert "AutotuneMemoryFragmentationHigh" not in active  # not available on CPU
+
+
+def test_run_finished_and_controller_counted_both_trials(live_job):
+    prom, proc, work = live_job
+    assert proc.wait(timeout=600) == 0
+    summary = json.loads((work / "st" / "summary.json").read_text())
+    assert summary["counted_trials"] == 2
+    log = (work / "run.log").read_text()
+    assert "controller metrics: http://127.0.0.1:" in log and "rank metrics: http://127.0.0.1:" in log
