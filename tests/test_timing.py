@@ -1,0 +1,72 @@
+"""Interval timers: the host clock, and the CUDA-event path against a fake torch.cuda.Event."""
+
+import time
+
+import pytest
+
+from autotune.instrument import INSTRUCTION_CATEGORY
+from autotune.timing import CudaEventTimer, HostTimer, make_timer
+
+
+def test_host_timer_accumulates_per_category_and_resets():
+    t = HostTimer()
+    tok = t.begin()
+    time.sleep(0.02)
+    t.end(tok, "compute")
+    tok = t.begin()
+    t.end(tok, "comm")
+    got = t.collect()
+    assert got["compute"] >= 0.02 and got["comm"] < got["compute"]
+    assert t.collect() == {}
+
+
+class FakeEvent:
+    """Stands in for torch.cuda.Event: a timestamp set by record(), read by elapsed_time (ms)."""
+
+    clock = 0.0
+    synced = 0
+
+    def __init__(self, enable_timing: bool = False) -> None:
+        assert enable_timing
+        self.t = None
+
+    def record(self) -> None:
+        self.t = FakeEvent.clock
+
+    def synchronize(self) -> None:
+        FakeEvent.synced += 1
+
+    def elapsed_time(self, other: "FakeEvent") -> float:
+        return (other.t - self.t) * 1000.0
+
+
+class FakeTorch:
+    class cuda:  # noqa: N801 - mirrors torch.cuda
+        Event = FakeEvent
+
+
+def test_cuda_event_timer_reads_event_pairs_once_per_step():
+    t = CudaEventTimer.__new__(CudaEventTimer)
+    t._torch, t._pending = FakeTorch, []
+    FakeEvent.clock = 1.0
+    a = t.begin()
+    FakeEvent.clock = 1.25
+    t.end(a, "compute")
+    b = t.begin()
+    FakeEvent.clock = 1.5
+    t.end(b, "wait")
+    got = t.collect()
+    assert got == pytest.approx({"compute": 0.25, "wait": 0.25})
+    assert FakeEvent.synced == 1  # one synchronize per step, not per instruction
+    assert t.collect() == {}
+
+
+def test_make_timer_by_device():
+    assert isinstance(make_timer("cpu"), HostTimer)
+
+
+def test_every_deepspeed_instruction_has_a_category():
+    """Pins what we rely on in DeepSpeed 0.19.8: the instruction set of the pipeline engine."""
+    engine = pytest.importorskip("deepspeed.runtime.pipe.engine", reason="deepspeed not installed")
+    names = {cls.__name__ for cls in engine.PipelineEngine._INSTRUCTION_MAP}
+    assert names == set(INSTRUCTION_CATEGORY)
