@@ -6,6 +6,8 @@ The CLI only parses arguments into RunOptions and calls `tune()`.
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -59,8 +61,15 @@ class RunOptions:
         return cls(**d, workload=WorkloadOptions(**wl))
 
 
+_JOB = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
+_HOST = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9.-]{0,251}[A-Za-z0-9])?$")
+
+
 def validate(opts: RunOptions) -> None:
+    """Check every option's type and range before anything reaches a ds_config, a command line
+    or the study folder; each problem is one UserError naming the option and the fix."""
     wl = opts.workload
+    _ints(opts, wl)
     if opts.budget < 1:
         raise UserError(f"--budget must be >= 1, got {opts.budget}")
     get_preset(wl.preset)
@@ -68,20 +77,106 @@ def validate(opts: RunOptions) -> None:
         raise UserError(f"--stages must be >= 2 for pipeline parallelism, got {wl.pipeline_stages}")
     if wl.data_parallel_size < 1:
         raise UserError(f"--dp must be >= 1, got {wl.data_parallel_size}")
+    if wl.world_size > 1024:
+        raise UserError(f"--stages x --dp = {wl.world_size} ranks; at most 1024 on one machine")
     if wl.steps < 1 or wl.warmup_steps < 0:
         raise UserError("--steps must be >= 1 and --warmup-steps >= 0")
-    for name, port in (("--metrics-port", opts.metrics_port), ("--rank-metrics-port", opts.rank_metrics_port)):
+    if wl.steps > 100_000 or wl.warmup_steps > 100_000:
+        raise UserError("--steps and --warmup-steps must be <= 100000 (a trial is a short measurement)")
+    if wl.activation_checkpoint_interval < 0:
+        raise UserError(f"--activation-checkpoint-interval must be >= 0, got {wl.activation_checkpoint_interval}")
+    if wl.threads < 1 or wl.slow_factor < 1 or wl.seed < 0:
+        raise UserError("threads and --slow-factor must be >= 1 and --seed >= 0")
+    if not 0 <= opts.seed < 2**32:
+        raise UserError(f"--seed must be in [0, 2^32), got {opts.seed}")
+    for name, port in (("--metrics-port", opts.metrics_port), ("--rank-metrics-port", opts.rank_metrics_port),
+                       ("rank metrics port", wl.metrics_port)):
         if port is not None and not 1 <= port <= 65535:
             raise UserError(f"{name} must be a port 1-65535, got {port}")
-    if opts.trial_timeout is not None and opts.trial_timeout <= 0:
-        raise UserError(f"--trial-timeout must be > 0 seconds, got {opts.trial_timeout}")
+    if opts.rank_metrics_port is not None and opts.rank_metrics_port + wl.world_size - 1 > 65535:
+        raise UserError(f"--rank-metrics-port {opts.rank_metrics_port} + {wl.world_size} ranks passes port 65535")
+    for addr in {opts.metrics_addr, wl.metrics_addr}:
+        if not _valid_host(addr):
+            raise UserError(f"--metrics-addr {addr!r}: use an IP address or a host name (default 127.0.0.1)")
+    if opts.trial_timeout is not None and not (math.isfinite(opts.trial_timeout) and opts.trial_timeout > 0):
+        raise UserError(f"--trial-timeout must be a finite number of seconds > 0, got {opts.trial_timeout}")
     if wl.slow_stage is not None and not 0 <= wl.slow_stage < wl.pipeline_stages:
         raise UserError(f"--slow-stage must be in [0, {wl.pipeline_stages - 1}]")
-    if wl.partition_method not in ("parameters", "uniform") and not wl.partition_method.startswith("type:"):
-        raise UserError(f"--partition-method {wl.partition_method!r}: use parameters, uniform or type:REGEX")
-    preset_layers = get_preset(wl.preset).num_layers + 2
+    pm = wl.partition_method
+    if pm not in ("parameters", "uniform") and not pm.startswith("type:"):
+        raise UserError(f"--partition-method {pm!r}: use parameters, uniform or type:REGEX")
+    if pm.startswith("type:"):
+        try:
+            re.compile(pm[5:])
+        except re.error as exc:
+            raise UserError(f"--partition-method {pm!r}: bad regular expression ({exc})") from None
+        if not pm[5:] or not pm.isprintable():
+            raise UserError(f"--partition-method {pm!r}: type: needs a printable layer-name pattern")
+    if not _JOB.match(wl.job):
+        raise UserError(f"job name {wl.job!r}: use 1-64 letters, digits, '_', '.', ':' or '-'")
+    if opts.global_batch is not None and opts.global_batch < 1:
+        raise UserError(f"--global-batch must be >= 1, got {opts.global_batch}")
+    if opts.max_global_batch is not None and opts.max_global_batch < 1:
+        raise UserError(f"--max-global-batch must be >= 1, got {opts.max_global_batch}")
+    for name, v in (("--micro-max", opts.micro_max), ("--gas-max", opts.gas_max)):
+        if v > 65536:
+            raise UserError(f"{name} must be <= 65536, got {v}")
+    if opts.bucket_max > 10**12:
+        raise UserError(f"--bucket-max must be <= 1e12 elements, got {opts.bucket_max}")
+    if not str(opts.study).strip():
+        raise UserError("--study must name a folder")
+    from autotune.proposers.registry import names as proposer_names
+    from autotune.trial import parse_faults
+
+    if opts.tuner not in proposer_names():
+        raise UserError(f"unknown proposer {opts.tuner!r}; choose one of {', '.join(proposer_names())}")
+    parse_faults(wl.faults)
+    preset = get_preset(wl.preset)
+    preset_layers = preset.num_layers + 2
     if wl.pipeline_stages > preset_layers:
         raise UserError(f"--stages {wl.pipeline_stages} exceeds the {preset_layers} layers of preset {wl.preset}")
+    if wl.tokens is not None:
+        from autotune.workload.data import load_token_file
+
+        if len(load_token_file(wl.tokens, preset.vocab_size)) <= preset.seq_length:
+            raise UserError(f"{wl.tokens}: token file is shorter than one sequence "
+                            f"({preset.seq_length + 1} tokens); give a longer file")
+        wl.tokens = str(Path(wl.tokens).resolve())  # never read as an option by the rank's parser
+    # The search space (bounds, batch arithmetic) before the study folder is touched:
+    # a new study is never created with settings that cannot run.
+    build_space(opts, load_base_config(opts))
+
+
+def _ints(opts: RunOptions, wl: WorkloadOptions) -> None:
+    for owner, names in ((opts, ("budget", "seed", "micro_min", "micro_max", "gas_min", "gas_max",
+                                 "bucket_min", "bucket_max")),
+                         (wl, ("pipeline_stages", "data_parallel_size", "steps", "warmup_steps",
+                               "activation_checkpoint_interval", "threads", "seed", "slow_factor"))):
+        for name in names:
+            v = getattr(owner, name)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise UserError(f"{name.replace('_', '-')} must be an integer, got {v!r}")
+    for owner, names in ((opts, ("global_batch", "max_global_batch", "metrics_port", "rank_metrics_port")),
+                         (wl, ("slow_stage", "metrics_port"))):
+        for name in names:
+            v = getattr(owner, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
+                raise UserError(f"{name.replace('_', '-')} must be an integer, got {v!r}")
+    for name in ("preset", "partition_method", "job", "metrics_addr"):
+        if not isinstance(getattr(wl, name), str):
+            raise UserError(f"{name.replace('_', '-')} must be a string")
+    if not isinstance(opts.tuner, str) or not isinstance(opts.metrics_addr, str):
+        raise UserError("--tuner and --metrics-addr must be strings")
+
+
+def _valid_host(addr: str) -> bool:
+    import ipaddress
+
+    try:
+        ipaddress.ip_address(addr)
+        return True
+    except ValueError:
+        return bool(_HOST.match(addr)) and not addr.startswith("-")
 
 
 def load_base_config(opts: RunOptions) -> DsConfig:
@@ -127,7 +222,12 @@ def open_study(opts: RunOptions) -> tuple[Study, RunOptions]:
         stored = study.get_meta_json("settings")
         if stored is None:
             raise UserError(f"{root}: study has no stored settings; it is damaged or from another version")
-        resumed = RunOptions.from_dict(stored)
+        try:
+            resumed = RunOptions.from_dict(stored)
+        except (TypeError, ValueError, AttributeError):
+            study.close()
+            raise UserError(f"{root}: stored settings are not readable by this autotune (another "
+                            "version?); start a new study with another --study") from None
         resumed.budget, resumed.resume = opts.budget, True
         resumed.trial_timeout = opts.trial_timeout or resumed.trial_timeout
         return study, resumed
@@ -149,7 +249,7 @@ def tune(opts: RunOptions, display: ProgressDisplay | None = None) -> TuneResult
         from autotune.proposers.registry import make_proposer
 
         moves, fired = _rules_hooks()
-        proposer = make_proposer(opts.tuner, space, seed=opts.seed, moves=moves)
+        proposer = make_proposer(opts.tuner, space, seed=opts.seed, moves=moves, budget=opts.budget)
         baseline = baseline_config(base, opts, space)
         wl = opts.workload
         if opts.rank_metrics_port is not None:

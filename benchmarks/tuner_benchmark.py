@@ -1,0 +1,172 @@
+"""Tuner benchmark: every proposer on simulated pipeline-training landscapes.
+
+    .venv/bin/python -m benchmarks.tuner_benchmark            # the reported table
+    .venv/bin/python -m benchmarks.tuner_benchmark --quick    # a smoke run
+    .venv/bin/python -m benchmarks.tuner_benchmark --seed-offset 1000   # development seeds
+
+Each run: trial 1 is the scenario's baseline configuration (told to the tuner,
+as `autotune run` does), then the tuner proposes `budget - 1` trials through
+the same `make_proposer` interface `autotune run` uses. After every trial the
+"pick" is the configuration with the best mean measured samples/s (never one
+that failed); its score is its TRUE noise-free expected value
+(`Scenario.true_value`) divided by the exhaustive optimum.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # two shared cores: one BLAS thread per worker
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+import argparse  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from collections import Counter  # noqa: E402
+from dataclasses import dataclass, field  # noqa: E402
+from multiprocessing import Pool  # noqa: E402
+
+from autotune.proposers.history import History  # noqa: E402
+from autotune.proposers.registry import default_moves, make_proposer, names  # noqa: E402
+from benchmarks.sim_landscape import SimRun, calibration, scenarios  # noqa: E402
+
+TUNERS = ["hybrid", "bayes", "optuna-gp", "optuna-tpe", "ds-autotuner", "random", "grid"]
+
+
+def moves_fn():
+    """The rule engine's moves if present, else the benchmark's clearly-named stand-in."""
+    real = default_moves()
+    if real is not None:
+        return real, "autotune.advisor.moves.propose_moves"
+    from benchmarks.standin_moves import propose_moves
+
+    return propose_moves, "benchmarks.standin_moves.propose_moves (stand-in)"
+
+
+@dataclass
+class RunResult:
+    tuner: str
+    scenario: str
+    seed: int
+    scores: list[float] = field(default_factory=list)
+    """Score of the pick after trial 1..budget."""
+    oom: int = 0
+    sources: Counter = field(default_factory=Counter)
+    seconds: float = 0.0
+
+
+_OPTIMA: dict[str, float] = {}
+
+
+def run_one(job: tuple[str, int, int, int]) -> RunResult:
+    tuner, sc_idx, seed, budget = job
+    sc = scenarios()[sc_idx]
+    if sc.name not in _OPTIMA:
+        _OPTIMA[sc.name] = sc.optimum()[1]
+    opt = _OPTIMA[sc.name]
+    sim = SimRun(sc, seed * 7919 + sc_idx)
+    moves = moves_fn()[0] if tuner == "hybrid" else None
+    prop = make_proposer(tuner, sc.space, seed=seed, moves=moves, budget=budget)
+    hist = History(sc.space)
+    out = RunResult(tuner=tuner, scenario=sc.name, seed=seed)
+    t0 = time.perf_counter()
+    for t in range(budget):
+        if t == 0:
+            cfg, source = sc.baseline, "baseline"
+        else:
+            p = prop.ask()
+            cfg, source = p.config, p.source
+        result = sim(cfg, t)
+        prop.tell(cfg, result)
+        hist.record(cfg, result)
+        out.sources[source] += 1
+        out.oom += result.failure_reason == "oom"
+        best = hist.best()
+        out.scores.append(sc.true_value(best) / opt if best is not None else 0.0)
+    out.seconds = time.perf_counter() - t0
+    return out
+
+
+def trials_to(scores: list[float], target: float = 0.95) -> float:
+    return next((i + 1 for i, s in enumerate(scores) if s >= target), float("inf"))
+
+
+def table(results: list[RunResult], tuners: list[str], budget: int) -> str:
+    k = min(5, budget)
+    lines = [f"| tuner | score @{k} | mean @{budget} | runs >= 95 % | median trials to 95 % | worst @{budget} "
+             "| OOM trials / run | s / run |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name in tuners:
+        rs = [r for r in results if r.tuner == name]
+        if not rs:
+            continue
+        final = [r.scores[-1] for r in rs]
+        med = statistics.median(trials_to(r.scores) for r in rs)
+        med_s = f">{budget}" if med == float("inf") else f"{med:g}"
+        lines.append(
+            f"| {name} | {statistics.fmean(r.scores[k - 1] for r in rs):.3f} | {statistics.fmean(final):.3f} "
+            f"| {sum(f >= 0.95 for f in final) / len(final):.0%} | {med_s} | {min(final):.3f} "
+            f"| {statistics.fmean(r.oom for r in rs):.2f} | {statistics.fmean(r.seconds for r in rs):.2f} |")
+    return "\n".join(lines)
+
+
+def per_scenario(results: list[RunResult], tuner: str) -> str:
+    lines = [f"| scenario ({tuner}) | mean | runs >= 95 % | worst | median trials to 95 % | OOM / run |",
+             "|---|---|---|---|---|---|"]
+    for sc in scenarios():
+        rs = [r for r in results if r.tuner == tuner and r.scenario == sc.name]
+        if not rs:
+            continue
+        final = [r.scores[-1] for r in rs]
+        med = statistics.median(trials_to(r.scores) for r in rs)
+        lines.append(f"| {sc.name} | {statistics.fmean(final):.3f} | {sum(f >= .95 for f in final) / len(final):.0%} "
+                     f"| {min(final):.3f} | {med:g} | {statistics.fmean(r.oom for r in rs):.2f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--seeds", type=int, default=20, help="seeds per scenario (default 20)")
+    ap.add_argument("--seed-offset", type=int, default=0,
+                    help="first seed; the reported table uses 0, development used 1000")
+    ap.add_argument("--budget", type=int, default=20, help="trials per run, baseline included (default 20)")
+    ap.add_argument("--tuners", default=",".join(TUNERS), help="comma-separated proposer names")
+    ap.add_argument("--workers", type=int, default=2, help="processes (default 2)")
+    ap.add_argument("--quick", action="store_true", help="3 seeds, budget 12: a smoke run")
+    ap.add_argument("--calibration", action="store_true", help="print the calibration check and exit")
+    args = ap.parse_args(argv)
+    if args.calibration:
+        print("| setting | measured | model |\n|---|---|---|")
+        for name, real, model in calibration():
+            print(f"| {name} | {real:.2f} | {model:.2f} |")
+        return 0
+    if args.quick:
+        args.seeds, args.budget = 3, 12
+    available = set(names())
+    tuners = [t for t in args.tuners.split(",") if t in available]
+    skipped = [t for t in args.tuners.split(",") if t not in available]
+    if skipped:
+        print(f"skipped (not installed): {', '.join(skipped)}", file=sys.stderr)
+    n_sc = len(scenarios())
+    jobs = [(t, i, args.seed_offset + s, args.budget) for t in tuners for i in range(n_sc) for s in range(args.seeds)]
+    t0 = time.perf_counter()
+    if args.workers > 1:
+        with Pool(args.workers) as pool:
+            results = pool.map(run_one, jobs, chunksize=1)
+    else:
+        results = [run_one(j) for j in jobs]
+    print(f"{len(jobs)} runs ({n_sc} scenarios x {args.seeds} seeds x {len(tuners)} tuners), budget {args.budget}, "
+          f"seeds {args.seed_offset}..{args.seed_offset + args.seeds - 1}, {time.perf_counter() - t0:.0f} s; "
+          f"hybrid moves: {moves_fn()[1]}\n")
+    print(table(results, tuners, args.budget))
+    if "hybrid" in tuners:
+        print()
+        print(per_scenario(results, "hybrid"))
+        src = sum((r.sources for r in results if r.tuner == "hybrid"), Counter())
+        print("\nhybrid proposals by source: " + ", ".join(f"{k} {v}" for k, v in src.most_common()))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
