@@ -91,3 +91,16 @@ def test_not_multiple_of_stages_rounds_up(gas):
     f = [x for x in evaluate([healthy_summary(gradient_accumulation_steps=gas, pipeline_stages=2)])
          if x.rule_id == "micro-batches-not-multiple-of-stages"][0]
     assert f.fired and f.changes[0].new == gas + 1
+
+
+def test_comm_rules_grow_gas_only_when_the_global_batch_may_grow():
+    """At a fixed global batch more GAS only shrinks the micro-batch: no amortization, no move."""
+    summary = healthy_summary(comm_compute_ratio=0.9, micro_batch_size=2, gradient_accumulation_steps=16,
+                              reduce_bucket_size=250_000_000)
+    cur = TrialConfig(micro_batch_size=2, gradient_accumulation_steps=16, reduce_bucket_size=250_000_000)
+    fixed = propose_moves(summary, cur, _space(global_batch=64))
+    free = propose_moves(summary, cur, _space())
+    comm = ("rule:comm-compute-high", "rule:comm-compute-above-target")
+    assert not [p for p in fixed if p.source in comm and p.config.gradient_accumulation_steps != 16]
+    assert [p for p in fixed if p.source in comm and p.config.reduce_bucket_size == 120_000_000]
+    assert [p for p in free if p.source in comm and p.config.gradient_accumulation_steps == 32]

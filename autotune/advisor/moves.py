@@ -32,7 +32,8 @@ def propose_moves(summary: TrialSummary, current: TrialConfig, space: SearchSpac
     if space.bucket_range is not None and bucket is None:
         bucket = DEEPSPEED_DEFAULT_BUCKET
     signals.values.update(layout_values(current.micro_batch_size, current.gradient_accumulation_steps,
-                                        space.pipeline_stages, space.data_parallel_size, bucket))
+                                        space.pipeline_stages, space.data_parallel_size, bucket,
+                                        global_batch_fixed=space.global_batch is not None))
     out: list[Proposal] = []
     seen = {current.key()}
     for f in evaluate([signals], rules=rules):

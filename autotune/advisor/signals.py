@@ -24,7 +24,7 @@ METRIC_SIGNALS: frozenset[str] = frozenset({
 # The batch layout: known from a trial's metrics or from a ds_config plus --stages/--world-size.
 LAYOUT_SIGNALS: frozenset[str] = frozenset({
     "micro_batch_size", "gradient_accumulation_steps", "pipeline_stages", "data_parallel_size",
-    "reduce_bucket_size", "micro_batches_remainder",
+    "reduce_bucket_size", "micro_batches_remainder", "global_batch_fixed",
 })
 # Facts read from the ds_config alone (computed in config_rules.py).
 CONFIG_SIGNALS: frozenset[str] = frozenset({
@@ -74,13 +74,19 @@ class SignalSet:
 
 
 def layout_values(micro: int | None, gas: int | None, stages: int | None, dp: int | None,
-                  bucket: int | None) -> dict[str, float | None]:
-    """The layout signals, including the derived micro-batch remainder (GAS mod stages)."""
+                  bucket: int | None, *, global_batch_fixed: bool = False) -> dict[str, float | None]:
+    """The layout signals, including the derived micro-batch remainder (GAS mod stages).
+
+    `global_batch_fixed` is 1 when micro x GAS x dp must stay constant (the tuner's
+    default space): then more GAS means a smaller micro-batch, and moves that only
+    help by growing the batch are skipped. `advise` patches train_batch_size, so 0.
+    """
     rem = float(gas % stages) if gas is not None and stages else None
     return {
         "micro_batch_size": _f(micro), "gradient_accumulation_steps": _f(gas),
         "pipeline_stages": _f(stages), "data_parallel_size": _f(dp),
         "reduce_bucket_size": _f(bucket), "micro_batches_remainder": rem,
+        "global_batch_fixed": 1.0 if global_batch_fixed else 0.0,
     }
 
 
