@@ -36,7 +36,8 @@ def cli() -> None:
 
 
 @cli.command("run")
-@click.option("--budget", type=int, default=20, show_default=True, help="Trials to run, baseline included.")
+@click.option("--budget", type=int, default=None,
+              help="Trials to run, baseline included [default: 20; a resumed study keeps its own].")
 @click.option("--study", "study", default="autotune-study", show_default=True, help="Study folder.")
 @click.option("--resume", is_flag=True, help="Continue the study in --study (rerunning with it does too).")
 @click.option("--config", type=click.Path(dir_okay=False), default=None,
@@ -74,29 +75,41 @@ def cli() -> None:
 @click.option("--fault", default=None, hidden=True)
 def run_cmd(**kw) -> None:
     """Tune micro-batch, gradient accumulation and reduce_bucket_size with real trials."""
+    from autotune.errors import UserError
     from autotune.session import RunOptions, tune
+    from autotune.study import stored_budget
     from autotune.trial import WorkloadOptions
 
-    extra = ("--fault", kw["fault"]) if kw["fault"] else ()
+    budget = kw["budget"] if kw["budget"] is not None else (stored_budget(kw["study"]) or 20)
+    buckets = {}
+    for name in ("bucket_min", "bucket_max"):
+        v = kw[name]
+        if not (v == v and abs(v) < 1e15):  # NaN and inf never reach int()
+            raise UserError(f"--{name.replace('_', '-')} must be a finite number of elements, got {v}")
+        buckets[name] = int(v)
     wl = WorkloadOptions(
         preset=kw["preset"], pipeline_stages=kw["stages"], data_parallel_size=kw["dp"],
         steps=kw["steps"], warmup_steps=kw["warmup_steps"], partition_method=kw["partition_method"],
         activation_checkpoint_interval=kw["activation_checkpoint_interval"], tokens=kw["tokens"],
-        slow_stage=kw["slow_stage"], slow_factor=kw["slow_factor"], extra_args=extra,
+        slow_stage=kw["slow_stage"], slow_factor=kw["slow_factor"], faults=kw["fault"] or "",
     )
     opts = RunOptions(
-        budget=kw["budget"], study=kw["study"], resume=kw["resume"], config=kw["config"],
+        budget=budget, study=kw["study"], resume=kw["resume"], config=kw["config"],
         tuner=kw["tuner"], seed=kw["seed"], global_batch=kw["global_batch"], free_batch=kw["free_batch"],
         max_global_batch=kw["max_global_batch"], micro_min=kw["micro_min"], micro_max=kw["micro_max"],
         gas_min=kw["gas_min"], gas_max=kw["gas_max"], integer_micro=kw["integer_micro"],
-        bucket_min=int(kw["bucket_min"]), bucket_max=int(kw["bucket_max"]),
+        bucket_min=buckets["bucket_min"], bucket_max=buckets["bucket_max"],
         trial_timeout=kw["trial_timeout"], metrics_port=kw["metrics_port"],
         rank_metrics_port=kw["rank_metrics_port"], metrics_addr=kw["metrics_addr"], workload=wl,
     )
-    result = tune(opts)
+    try:
+        result = tune(opts)
+    except KeyboardInterrupt:  # before the first trial started: nothing to stop
+        click.echo("autotune: interrupted before any trial ran; nothing to clean up", err=True)
+        sys.exit(130)
     _print_outcome(result.summary, opts.study)
     if result.interrupted:
-        sys.exit(130)
+        sys.exit(result.exit_code or 130)
 
 
 def _print_outcome(summary: dict, study: str) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -128,7 +129,8 @@ def _pos_int(d: dict, key: str, source: str, prefix: str = "") -> int | None:
     if key not in d or d[key] is None or d[key] == "auto":
         return None
     v = d[key]
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or v != int(v) or v < 1:
+    if (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
+            or v != int(v) or v < 1):
         raise ConfigError(f"{source}: {prefix}{key} must be a positive integer, got {v!r}")
     return int(v)
 

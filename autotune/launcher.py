@@ -159,3 +159,54 @@ def run_trial_process(spec: LaunchSpec) -> LaunchOutcome:
         tp.stop(grace=2.0)
     return LaunchOutcome(returncode=rc, timed_out=timed_out,
                          wall_seconds=time.monotonic() - tp.started, log_path=spec.log_path)
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return (Path("/proc") / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode("utf-8", "replace")
+    except OSError:
+        return ""
+
+
+def _stat(pid: int) -> tuple[str, int] | None:
+    """(state, pgid) of a process, or None when it is gone."""
+    try:
+        fields = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return fields[0], int(fields[2])
+
+
+def processes_with(marker: str) -> list[int]:
+    """Live processes whose command line contains `marker` (e.g. a trial's ds_config path)."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        st = _stat(int(entry.name))
+        if st is not None and st[0] != "Z" and marker in _cmdline(int(entry.name)):
+            out.append(int(entry.name))
+    return out
+
+
+def stop_leftovers(pgid: int | None, marker: str, grace: float = 5.0) -> int:
+    """Stop what a dead controller left of a trial; returns how many processes were found.
+
+    The stored process group is only signalled when one of its members still runs
+    this trial (its command line names `marker`), so a recycled group id of an
+    unrelated program is never touched. Processes that name the trial but sit in
+    another group (the controller died before it stored the group id) go too.
+    """
+    found = processes_with(marker)
+    groups = {st[1] for pid in found if (st := _stat(pid)) is not None}
+    if pgid and group_alive(pgid) and pgid in groups:
+        kill_group(pgid, grace)
+    for g in groups - {pgid}:
+        if g != os.getpgid(0):
+            kill_group(g, grace)
+    for pid in processes_with(marker):  # anything still there, one by one
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    return len(found)

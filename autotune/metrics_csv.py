@@ -57,7 +57,7 @@ def iter_metrics_csv(path: str | Path) -> Iterator[StepRecord]:
         try:
             for line, row in enumerate(reader, start=2):  # noqa: B007 - used in the error
                 yield row_to_record(row)
-        except (ValueError, TypeError) as exc:
+        except (ValueError, TypeError, OverflowError) as exc:
             raise InputFileError(f"{p}: line {line}: bad value ({exc})") from None
         except (UnicodeDecodeError, csv.Error) as exc:
             raise InputFileError(f"{p}: line {line}: unreadable ({exc.__class__.__name__})") from None

@@ -209,9 +209,15 @@ def baseline_config(base: DsConfig, opts: RunOptions, space: SearchSpace) -> Tri
     bucket = None
     if space.bucket_range is not None:
         bucket = base.reduce_bucket_size or 500_000_000  # DeepSpeed's default when unset
-    return TrialConfig(micro_batch_size=layout.micro_batch_size,
-                       gradient_accumulation_steps=layout.gradient_accumulation_steps,
-                       reduce_bucket_size=bucket)
+    micro, gas = layout.micro_batch_size, layout.gradient_accumulation_steps
+    if space.global_batch is not None and layout.train_batch_size != space.global_batch:
+        # --global-batch overrides the config's: keep its micro-batch where it divides, so the
+        # baseline runs the same global batch as every other trial (a fair speed-up).
+        per_replica = space.global_batch // space.data_parallel_size
+        if per_replica % micro:
+            micro = space.micro_batch_sizes[0]
+        gas = per_replica // micro
+    return TrialConfig(micro_batch_size=micro, gradient_accumulation_steps=gas, reduce_bucket_size=bucket)
 
 
 def open_study(opts: RunOptions) -> tuple[Study, RunOptions]:

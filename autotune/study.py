@@ -247,6 +247,14 @@ class Study:
                  time.time(), wall_seconds, trial_id, STATUS_RUNNING),
             )
 
+    def remove_stale_temp_files(self) -> int:
+        """Temporary files of atomic writes a dead controller never renamed (we hold the lock)."""
+        n = 0
+        for tmp in self.root.glob(".*.tmp"):
+            tmp.unlink(missing_ok=True)
+            n += 1
+        return n
+
     def interrupt_running(self) -> list[TrialRow]:
         """Mark trials left 'running' by a dead controller as interrupted; returns them."""
         left = [t for t in self.trials() if t.status == STATUS_RUNNING]
@@ -285,6 +293,23 @@ class Study:
     def best(self) -> TrialRow | None:
         ok = [t for t in self.trials() if t.status == STATUS_OK and t.samples_per_second]
         return max(ok, key=lambda t: t.samples_per_second or 0.0) if ok else None
+
+
+def stored_budget(root: str | Path) -> int | None:
+    """The budget a study was last run with (read-only; None when there is no readable one)."""
+    db = Path(root) / DB_NAME
+    if not db.is_file():
+        return None
+    try:
+        conn = sqlite3.connect(f"{db.resolve().as_uri()}?mode=ro", uri=True, timeout=30)
+        try:
+            row = conn.execute("SELECT value FROM meta WHERE key = 'budget'").fetchone()
+        finally:
+            conn.close()
+        value = json.loads(row[0]) if row else None
+    except (sqlite3.Error, ValueError):
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else None
 
 
 def _probe_readonly(path: Path) -> None:

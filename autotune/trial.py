@@ -1,28 +1,53 @@
 """Running one trial: write its ds_config, launch the ranks, read and judge the result.
 
-Failures are classified (oom, timeout, killed, nonfinite_loss, crash,
-no_metrics, launcher_missing) and returned as a failed TrialResult: a trial
-never crashes the tuning run.
+Failures are classified (oom, timeout, killed, nonfinite_loss,
+loss_scale_collapse, crash, no_metrics, launcher_missing) and returned as a
+failed TrialResult: a trial never crashes the tuning run. The table with
+causes and evidence is in docs/robustness.md.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from autotune.dsconfig import DsConfig
-from autotune.errors import InputFileError
+from autotune.errors import InputFileError, UserError
 from autotune.launcher import LaunchOutcome, LaunchSpec, TrialProcess
 from autotune.metrics_csv import read_metrics_csv
 from autotune.proposers.base import STATUS_FAILED, STATUS_OK, TrialResult
 from autotune.space import TrialConfig
 from autotune.summary import TrialSummary, summarize_trial
-from autotune.workload.train import EXIT_NONFINITE_LOSS, EXIT_OOM
+from autotune.workload.train import EXIT_LOSS_SCALE, EXIT_NONFINITE_LOSS, EXIT_OOM
 
 OOM_PATTERN = re.compile(r"out of memory|OutOfMemoryError|CUDA error: out of memory", re.I)
+MISSING_PATTERN = re.compile(r"No module named '?deepspeed|can't open file .*train\.py")
+
+RANK_FAULTS = ("oom", "hang", "kill", "nan", "nometrics", "overflow")
+"""Test-only faults a rank injects (autotune/workload/train.py)."""
+CONTROLLER_FAULTS = ("nolauncher", "noscript")
+"""Test-only faults the runner injects: a launcher or training script that does not exist."""
+
+
+def parse_faults(spec: str | None) -> dict[int | None, str]:
+    """`KIND[@TRIAL],...` -> {trial or None (every trial): KIND}. Test-only, hidden `--fault`."""
+    plan: dict[int | None, str] = {}
+    for part in (spec or "").split(","):
+        part = part.strip()
+        if not part:
+            continue
+        kind, at, num = part.partition("@")
+        if kind not in RANK_FAULTS + CONTROLLER_FAULTS:
+            raise UserError(f"--fault {part!r}: unknown fault; use one of "
+                            f"{', '.join(RANK_FAULTS + CONTROLLER_FAULTS)}, optionally @TRIAL")
+        if at and not (num.isascii() and num.isdigit()):
+            raise UserError(f"--fault {part!r}: the trial after @ must be a number")
+        plan[int(num) if at else None] = kind
+    return plan
 
 
 @dataclass(kw_only=True, slots=True)
@@ -47,7 +72,13 @@ class WorkloadOptions:
     """Base port of the per-rank Prometheus endpoints; None = no endpoints."""
     metrics_addr: str = "127.0.0.1"
     extra_args: tuple[str, ...] = ()
-    """Passed through to the training script (test-only fault injection)."""
+    """Passed through to the training script (test-only)."""
+    faults: str = ""
+    """Test-only fault injection, `KIND[@TRIAL],...` (see parse_faults)."""
+
+    def fault_for(self, trial: int) -> str | None:
+        plan = parse_faults(self.faults)
+        return plan.get(trial, plan.get(None))
 
     @property
     def world_size(self) -> int:
@@ -66,6 +97,9 @@ class WorkloadOptions:
             args += ["--slow-stage", str(self.slow_stage), "--slow-factor", str(self.slow_factor)]
         if self.metrics_port is not None:
             args += ["--metrics-port", str(self.metrics_port), "--metrics-addr", self.metrics_addr]
+        fault = self.fault_for(trial)
+        if fault in RANK_FAULTS:
+            args += ["--fault", fault]
         return args + list(self.extra_args)
 
 
@@ -96,9 +130,11 @@ class TrialRunner:
 
     def run(self, number: int, config: TrialConfig, trial_dir: Path, *, timeout: float,
             on_start: Callable[[TrialProcess], None] | None = None) -> TrialOutcome:
+        trial_dir = trial_dir.resolve()  # absolute in every command line: leftovers are found by it
         trial_dir.mkdir(parents=True, exist_ok=True)
         for old in trial_dir.glob("metrics-rank*.csv"):  # a re-run after an interruption starts clean
             old.unlink()
+        _keep_old_log(trial_dir / "launcher.log")
         ds_path = trial_dir / "ds_config.json"
         ds_path.write_text(json.dumps(self.ds_config_for(config), indent=2) + "\n", encoding="utf-8")
         spec = LaunchSpec(
@@ -109,21 +145,39 @@ class TrialRunner:
         )
         if self.launcher is not None:
             spec.launcher = list(self.launcher)
+        fault = self.workload.fault_for(number)
+        if fault == "nolauncher":
+            spec.launcher = [str(trial_dir / "no-such-launcher")]
+        elif fault == "noscript":
+            spec.script = trial_dir / "no-such-train.py"
+        if not spec.script.is_file():
+            detail = f"training script {spec.script} not found; reinstall autotune"
+            spec.log_path.write_text(detail + "\n", encoding="utf-8")
+            return _failed("launcher_missing", detail, 0.0)
         proc = TrialProcess(spec)
-        error = proc.start()
-        if error is not None:
-            return _failed("launcher_missing", error, 0.0)
-        if on_start is not None:
-            on_start(proc)
         try:
+            error = proc.start()
+            if error is not None:
+                spec.log_path.write_text(error + "\n", encoding="utf-8")
+                return _failed("launcher_missing", error, 0.0)
+            if on_start is not None:
+                on_start(proc)
             rc, timed_out = proc.wait()
         finally:
-            proc.stop(grace=2.0)
-        import time
-
+            proc.stop(grace=2.0)  # ranks the launcher left behind, or a Ctrl-C: the whole group goes
         outcome = LaunchOutcome(returncode=rc, timed_out=timed_out,
                                 wall_seconds=time.monotonic() - proc.started, log_path=spec.log_path)
         return judge(outcome, trial_dir, timeout)
+
+
+def _keep_old_log(log: Path) -> None:
+    """A re-run keeps the log of the interrupted attempt next to its own."""
+    if not log.exists():
+        return
+    k = 1
+    while (kept := log.with_name(f"launcher.interrupted-{k}.log")).exists():
+        k += 1
+    log.rename(kept)
 
 
 def judge(outcome: LaunchOutcome, trial_dir: Path, timeout: float) -> TrialOutcome:
@@ -134,12 +188,23 @@ def judge(outcome: LaunchOutcome, trial_dir: Path, timeout: float) -> TrialOutco
         return _failed("timeout", f"no result within {timeout:.0f} s; every rank was stopped", wall)
     rc = outcome.returncode
     if rc != 0:
-        if rc == EXIT_OOM or re.search(r"exits with return code = " + str(EXIT_OOM), log) or OOM_PATTERN.search(log):
+        def exited(code: int) -> bool:
+            return rc == code or f"exits with return code = {code}" in log
+
+        if exited(EXIT_OOM) or OOM_PATTERN.search(log):
             return _failed("oom", _last_line(log, OOM_PATTERN) or "out of memory", wall)
-        if rc == EXIT_NONFINITE_LOSS or f"return code = {EXIT_NONFINITE_LOSS}" in log:
+        if exited(EXIT_LOSS_SCALE):
+            return _failed("loss_scale_collapse",
+                           _last_line(log, re.compile("loss scale")) or "fp16 loss scale collapsed", wall)
+        if exited(EXIT_NONFINITE_LOSS):
             return _failed("nonfinite_loss", _last_line(log, re.compile("non-finite")) or "loss became NaN/inf", wall)
-        if "return code = -9" in log or (rc is not None and rc < 0):
-            return _failed("killed", _last_line(log, re.compile("return code = -")) or f"signal {-rc}", wall)
+        killed = re.search(r"return code = -(\d+)", log)
+        if killed or (rc is not None and rc < 0):
+            signum = int(killed.group(1)) if killed else -(rc or 0)
+            return _failed("killed", f"a rank was killed by signal {signum} ({_signal_name(signum)}); "
+                                     "the launcher stopped the others", wall)
+        if MISSING_PATTERN.search(log):
+            return _failed("launcher_missing", _last_line(log, MISSING_PATTERN) or "launcher missing", wall)
         return _failed("crash", _last_line(log, re.compile(r"Error|error")) or f"exit code {rc}", wall)
     try:
         records = [r for p in sorted(trial_dir.glob("metrics-rank*.csv")) for r in read_metrics_csv(p)]
@@ -152,6 +217,15 @@ def judge(outcome: LaunchOutcome, trial_dir: Path, timeout: float) -> TrialOutco
         result=TrialResult(status=STATUS_OK, samples_per_second=summary.samples_per_second, summary=summary),
         summary=summary, failure_detail=None, wall_seconds=wall,
     )
+
+
+def _signal_name(signum: int) -> str:
+    import signal
+
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return "unknown signal"
 
 
 def _failed(reason: str, detail: str, wall: float) -> TrialOutcome:

@@ -2,24 +2,33 @@
 
 Resume rule: finished trials (ok or failed) are kept exactly once and told
 back to the proposer; a trial that was running when the controller died is
-marked `interrupted`, its leftover processes are stopped, and its
-configuration is run again first. Interrupted trials never count toward the
-budget, so a resumed study ends with exactly `budget` counted trials.
+marked `interrupted`, its leftover processes are stopped (by the process group
+stored in the study, and by the trial's path on their command lines), and its
+configuration is run again first under the same trial number. Interrupted
+trials never count toward the budget, so a resumed study ends with exactly
+`budget` counted trials.
+
+Ctrl-C (SIGINT) and SIGTERM stop the running trial's whole process group,
+mark it interrupted, write the best configuration so far and return with
+exit code 130 (SIGINT) or 143 (SIGTERM). Further signals during that cleanup
+are ignored so it cannot be cut short.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+import signal
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 from autotune.display import ProgressDisplay
-from autotune.launcher import group_alive, kill_group
+from autotune.launcher import stop_leftovers
 from autotune.proposers.base import STATUS_FAILED, STATUS_OK, Proposal, Proposer, TrialResult
 from autotune.report import write_outputs
 from autotune.space import SearchSpace, TrialConfig
-from autotune.study import STATUS_INTERRUPTED, Study, TrialRow
+from autotune.study import STATUS_INTERRUPTED, Study, TrialRow, crash_point
 from autotune.summary import TrialSummary
 from autotune.trial import TrialOutcome, TrialRunner
 
@@ -33,6 +42,36 @@ TIMEOUT_FACTOR = 4.0
 class TuneResult:
     summary: dict[str, Any]
     interrupted: bool = False
+    exit_code: int = 0
+    """130 after Ctrl-C, 143 after SIGTERM, else 0."""
+
+
+class Stopped(KeyboardInterrupt):
+    """SIGINT or SIGTERM arrived: unwind, stopping the running trial on the way."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@contextmanager
+def _stop_on_signals() -> Iterator[None]:
+    """SIGINT/SIGTERM raise Stopped once; later ones are ignored while we clean up."""
+    def handler(signum: int, _frame: Any) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
+        raise Stopped(signum)
+
+    try:
+        old = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    except ValueError:  # not the main thread: leave signals alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        for sig, h in old.items():
+            signal.signal(sig, h)
 
 
 class Tuner:
@@ -49,28 +88,40 @@ class Tuner:
 
     # -- the loop -------------------------------------------------------------
     def run(self) -> TuneResult:
-        redo = self._recover()
-        try:
-            while len(self.study.counted()) < self.budget:
-                proposal = self._next_proposal(redo)
-                self._run_one(proposal)
-        except KeyboardInterrupt:
-            self.study.interrupt_running()
-            self.display.note("interrupted: the running trial was stopped; the study is consistent "
-                              "and the best configuration so far is written. Resume with --resume.")
-            return TuneResult(summary=self._write(), interrupted=True)
+        with _stop_on_signals():
+            try:
+                redo = self._recover()
+                while len(self.study.counted()) < self.budget:
+                    proposal = self._next_proposal(redo)
+                    self._run_one(proposal)
+            except KeyboardInterrupt as exc:
+                signum = exc.signum if isinstance(exc, Stopped) else signal.SIGINT
+                for sig in (signal.SIGINT, signal.SIGTERM):  # the cleanup is not cut short
+                    signal.signal(sig, signal.SIG_IGN)
+                self.study.interrupt_running()
+                summary = self._write()
+                self.display.note(f"interrupted ({signal.Signals(signum).name}): the running trial was "
+                                  "stopped; the study is consistent and the best configuration so far "
+                                  "is written. Resume with --resume.")
+                return TuneResult(summary=summary, interrupted=True, exit_code=128 + int(signum))
         return TuneResult(summary=self._write())
+
+    def _marker(self, number: int) -> str:
+        """What every process of trial `number` has on its command line."""
+        return str(self.study.trial_dir(number).resolve() / "ds_config.json")
 
     def _recover(self) -> list[TrialRow]:
         """Stop leftovers of a dead controller, replay finished trials to the proposer."""
         left = self.study.interrupt_running()
+        self.study.remove_stale_temp_files()
         for t in left:
-            if t.pgid and group_alive(t.pgid):
-                kill_group(t.pgid)
+            found = stop_leftovers(t.pgid, self._marker(t.number))
+            if found:
+                self.display.note(f"stopped {found} leftover process(es) of interrupted trial {t.number}")
         finished = self.study.counted()
         for t in finished:
             self.proposer.tell(t.config, _result_from_row(t))
-        if finished:
+        if finished or left:
             self.display.note(f"resuming: {len(finished)} finished trial(s) kept, "
                               f"{len(left)} interrupted trial(s) will be run again")
         done = {t.number for t in finished}
@@ -80,6 +131,7 @@ class Tuner:
             if t.number not in done and t.number not in seen:
                 redo.append(t)
                 seen.add(t.number)
+                stop_leftovers(None, self._marker(t.number))  # anything an earlier stop missed
         return redo
 
     def _next_proposal(self, redo: list[TrialRow]) -> tuple[int, Proposal]:
@@ -98,16 +150,19 @@ class Tuner:
         number, proposal = item
         cfg = proposal.config
         trial_id = self.study.start_trial(number, cfg, proposal.source, proposal.reason)
+        crash_point("after-start", number)
         if self.exporter is not None:
             self.exporter.trial_started(number, cfg)
 
         def record_group(proc: Any) -> None:
             self.study.set_pgid(trial_id, proc.pgid)
+            crash_point("during-trial", number)
 
         with self.display.running(number, cfg, proposal.source):
             outcome = self.runner.run(number, cfg, self.study.trial_dir(number),
                                       timeout=self._timeout(), on_start=record_group)
         fired = self.rules_fired(outcome.summary) if (self.rules_fired and outcome.summary) else []
+        crash_point("before-finish", number)
         self.study.finish_trial(
             trial_id, status=outcome.result.status,
             samples_per_second=outcome.result.samples_per_second if outcome.result.ok else None,
@@ -115,11 +170,16 @@ class Tuner:
             summary=outcome.summary.to_dict() if outcome.summary else None,
             rules_fired=fired, wall_seconds=outcome.wall_seconds,
         )
+        crash_point("after-finish", number)
         self.proposer.tell(cfg, outcome.result)
         best = self.study.best()
         is_best = best is not None and best.number == number and outcome.result.ok
         self.display.trial_row(number, cfg, proposal.source, outcome.result.status, outcome.summary,
                                _failure_text(outcome), is_best)
+        if not outcome.result.ok:
+            log = self.study.trial_dir(number) / "launcher.log"
+            self.display.note(f"      failed ({outcome.result.failure_reason}): "
+                              f"{outcome.failure_detail or 'no detail'}; log kept in {log}")
         if proposal.reason and proposal.source not in ("baseline",):
             self.display.note(f"      why: {proposal.reason}")
         if self.exporter is not None:

@@ -62,3 +62,16 @@ def test_grid_log_spaced_buckets():
 def test_bad_bounds_are_user_errors(kw, text):
     with pytest.raises(UserError, match=text):
         SearchSpace.build(pipeline_stages=2, data_parallel_size=2, zero_stage=1, **kw)
+
+
+def test_baseline_follows_a_global_batch_override():
+    """--global-batch 8 with a config of global batch 64: the baseline runs global batch 8 too."""
+    from autotune.session import RunOptions, baseline_config, build_space, load_base_config
+    from autotune.trial import WorkloadOptions
+
+    opts = RunOptions(global_batch=8, workload=WorkloadOptions(data_parallel_size=1))
+    base = load_base_config(opts)
+    space = build_space(opts, base)
+    b = baseline_config(base, opts, space)
+    assert b.micro_batch_size * b.gradient_accumulation_steps == 8
+    assert b.micro_batch_size == 1  # the default config's micro-batch

@@ -16,6 +16,11 @@ import time
 
 EXIT_NONFINITE_LOSS = 42
 EXIT_OOM = 43
+EXIT_LOSS_SCALE = 44
+"""fp16 dynamic loss scale collapsed: at its minimum and the gradients still overflow."""
+LOSS_SCALE_MESSAGE = "loss scale already at minimum"
+LOSS_SCALE_PATIENCE = 3
+"""Overflowing steps in a row at the minimum loss scale that count as a collapse."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -45,6 +50,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.fault == "nometrics":  # test-only: every rank exits 0 at once, no metrics written
+        return 0
     import torch
 
     torch.set_num_threads(args.threads)
@@ -80,15 +87,31 @@ def main(argv: list[str] | None = None) -> int:
                    seq=preset.seq_length, seed=args.seed + dp_rank)
 
     total = args.warmup_steps + args.steps
+    collapsed_steps, skipped = 0, getattr(engine, "skipped_steps", 0)
     for step in range(total):
-        _maybe_fault(args, rank, step, total)
+        _maybe_fault(args, engine, rank, step, total)
         try:
             loss = engine.train_batch(data_iter=data)
         except torch.OutOfMemoryError as exc:
             print(f"autotune: out of memory on rank {rank}: {exc}", file=sys.stderr, flush=True)
             return EXIT_OOM
+        except Exception as exc:  # DeepSpeed raises a bare Exception when fp16 scaling gives up
+            if LOSS_SCALE_MESSAGE not in str(exc):
+                raise
+            print(f"autotune: fp16 loss scale collapsed on rank {rank} at step {step}: {exc}",
+                  file=sys.stderr, flush=True)
+            return EXIT_LOSS_SCALE
         if args.step_sleep:
             time.sleep(args.step_sleep)
+        scale, floor = _loss_scale(engine)
+        now_skipped = getattr(engine, "skipped_steps", 0)
+        overflowed, skipped = now_skipped > skipped, now_skipped
+        collapsed_steps = collapsed_steps + 1 if (overflowed and scale is not None and floor is not None
+                                                  and scale <= floor) else 0
+        if collapsed_steps >= LOSS_SCALE_PATIENCE:
+            print(f"autotune: fp16 loss scale collapsed on rank {rank}: {LOSS_SCALE_MESSAGE} ({scale}) "
+                  f"and the gradients overflowed {collapsed_steps} steps in a row", file=sys.stderr, flush=True)
+            return EXIT_LOSS_SCALE
         value = float(loss.mean().item()) if loss is not None else 0.0
         if not math.isfinite(value):
             print(f"autotune: non-finite loss {value} at step {step} on rank {rank}",
@@ -99,9 +122,26 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _maybe_fault(args: argparse.Namespace, rank: int, step: int, total: int) -> None:
+def _loss_scale(engine) -> tuple[float | None, float | None]:
+    """(current, minimum) dynamic fp16 loss scale, or Nones when the run does not scale the loss."""
+    opt = getattr(engine, "optimizer", None)
+    cfg = getattr(opt, "loss_scale_config", None)  # DeepSpeed's FP16_Optimizer
+    if cfg is not None:
+        if not getattr(cfg, "dynamic_loss_scale", False):
+            return None, None
+        cur, floor = getattr(cfg, "cur_scale", None), getattr(cfg, "min_loss_scale", None)
+    else:
+        scaler = getattr(opt, "loss_scaler", None)  # ZeRO optimizers
+        if scaler is None or not getattr(scaler, "dynamic", False):
+            return None, None
+        cur, floor = getattr(scaler, "cur_scale", None), getattr(scaler, "min_scale", None)
+    return (float(cur) if cur is not None else None), (float(floor) if floor is not None else None)
+
+
+def _maybe_fault(args: argparse.Namespace, engine, rank: int, step: int, total: int) -> None:
     """Test-only faults, injected on purpose by the fault-handling tests."""
-    if args.fault is None or rank != args.fault_rank or step != min(2, total - 1):
+    at = 0 if args.fault == "overflow" else min(2, total - 1)
+    if args.fault is None or rank != args.fault_rank or step != at:
         return
     import torch
 
@@ -112,13 +152,13 @@ def _maybe_fault(args: argparse.Namespace, rank: int, step: int, total: int) -> 
             time.sleep(1)
     if args.fault == "kill":
         os.kill(os.getpid(), 9)
-    if args.fault == "nan":
-        raise SystemExit(_nan_exit(rank))
-
-
-def _nan_exit(rank: int) -> int:
-    print(f"autotune: non-finite loss nan at step 2 on rank {rank}", file=sys.stderr, flush=True)
-    return EXIT_NONFINITE_LOSS
+    if args.fault == "nan":  # a real NaN: poison a weight, the loss computed from it is NaN
+        with torch.no_grad():
+            next(p for p in engine.module.parameters() if p.is_floating_point()).fill_(float("nan"))
+    if args.fault == "overflow":  # every gradient overflows from now on (fp16: the loss scale collapses)
+        for p in engine.module.parameters():
+            if p.requires_grad:
+                p.register_hook(lambda g: g * float("inf"))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,305 @@
+"""Bad input everywhere a user types or points: one line, exit 2, no traceback, nothing overwritten.
+
+Also the engine's small guarantees that need no DeepSpeed: fault specs, the derived
+timeout, leftover-process cleanup, the study lock, results recorded once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from autotune.cli import cli
+from autotune.errors import UserError
+from autotune.launcher import group_alive, processes_with, stop_leftovers
+from autotune.space import TrialConfig
+from autotune.study import STATUS_OK, Study, stored_budget
+from autotune.trial import WorkloadOptions, parse_faults
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def invoke(*args: str):
+    return CliRunner().invoke(cli, list(args), catch_exceptions=True)
+
+
+def assert_user_error(res, *needles: str) -> None:
+    out = res.output
+    assert res.exit_code == 2, (res.exit_code, out, res.exception)
+    assert "Traceback" not in out
+    assert res.exception is None or isinstance(res.exception, SystemExit), repr(res.exception)
+    lines = [ln for ln in out.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1, out
+    for n in needles:
+        assert n in out, out
+
+
+def folder_hash(root: Path) -> str:
+    h = hashlib.sha256()
+    for p in sorted(root.rglob("*")):
+        if p.is_file():
+            h.update(str(p.relative_to(root)).encode())
+            h.update(p.read_bytes())
+    return h.hexdigest()
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--budget", "0"], "--budget must be >= 1"),
+    (["--budget", "-3"], "--budget must be >= 1"),
+    (["--metrics-port", "-1"], "--metrics-port must be a port"),
+    (["--rank-metrics-port", "70000"], "--rank-metrics-port must be a port"),
+    (["--rank-metrics-port", "65535"], "passes port 65535"),
+    (["--micro-min", "8", "--micro-max", "2"], "swap them"),
+    (["--gas-min", "9", "--gas-max", "3"], "swap them"),
+    (["--bucket-min", "1e8", "--bucket-max", "1e5"], "swap them"),
+    (["--bucket-min", "nan"], "--bucket-min must be a finite"),
+    (["--bucket-max", "inf"], "--bucket-max must be a finite"),
+    (["--trial-timeout", "0"], "--trial-timeout"),
+    (["--trial-timeout", "nan"], "--trial-timeout"),
+    (["--stages", "1"], "--stages must be >= 2"),
+    (["--dp", "0"], "--dp must be >= 1"),
+    (["--steps", "0"], "--steps must be >= 1"),
+    (["--preset", "gpt-17"], "gpt-17"),
+    (["--partition-method", "random"], "--partition-method"),
+    (["--partition-method", "type:(["], "bad regular expression"),
+    (["--metrics-addr", "--evil"], "--metrics-addr"),
+    (["--metrics-addr", "a b;rm -rf"], "--metrics-addr"),
+    (["--global-batch", "0"], "--global-batch"),
+    (["--global-batch", "7"], "--global-batch 7"),
+    (["--tuner", "magic"], "unknown proposer"),
+    (["--seed", "-1"], "--seed"),
+    (["--fault", "meteor@1"], "unknown fault"),
+    (["--activation-checkpoint-interval", "-2"], "activation-checkpoint-interval"),
+])
+def test_run_arguments_out_of_range(tmp_path, args, needle):
+    study = tmp_path / "st"
+    res = invoke("run", "--study", str(study), *args)
+    assert_user_error(res, needle)
+    assert not study.exists(), "a rejected run must not create a study"
+
+
+def write(p: Path, data: bytes | str) -> Path:
+    p.write_bytes(data if isinstance(data, bytes) else data.encode())
+    return p
+
+
+@pytest.mark.parametrize("content, needle", [
+    ("{not json", "not valid JSON"),
+    ("[1, 2]", "must be a JSON object"),
+    (b"\xff\xfe\x00garbage", "cannot read"),
+    ('{"train_batch_size": -4}', "positive integer"),
+    ('{"train_micro_batch_size_per_gpu": "two"}', "positive integer"),
+    ('{"train_batch_size": 10, "train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 2}',
+     "train_batch_size 10"),
+    ('{"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}', "stage 3"),
+    ('{"train_micro_batch_size_per_gpu": 1, "zero_optimization": 5}', "zero_optimization"),
+])
+def test_run_with_malformed_ds_config(tmp_path, content, needle):
+    cfg = write(tmp_path / "ds.json", content)
+    res = invoke("run", "--study", str(tmp_path / "st"), "--config", str(cfg))
+    assert_user_error(res, needle)
+    assert not (tmp_path / "st").exists()
+
+
+def test_run_with_missing_and_unreadable_config(tmp_path):
+    assert_user_error(invoke("run", "--study", str(tmp_path / "s"), "--config", str(tmp_path / "nope.json")),
+                      "no such file")
+    folder = tmp_path / "adir.json"
+    folder.mkdir()
+    res = invoke("run", "--study", str(tmp_path / "s"), "--config", str(folder))
+    assert res.exit_code == 2 and "Traceback" not in res.output
+
+
+@pytest.mark.parametrize("content, name, needle", [
+    (b"", "t.bin", "fewer than 2 tokens"),
+    (b"\x01\x00" * 10, "t.bin", "shorter than one sequence"),
+    (b"\xff\xff" * 100, "t.bin", "token ids must lie"),
+    (b"not numpy", "t.npy", "cannot read token file"),
+])
+def test_run_with_bad_token_file(tmp_path, content, name, needle):
+    tok = write(tmp_path / name, content)
+    res = invoke("run", "--study", str(tmp_path / "st"), "--tokens", str(tok))
+    assert_user_error(res, needle)
+
+
+def test_missing_token_file(tmp_path):
+    assert_user_error(invoke("run", "--study", str(tmp_path / "st"), "--tokens", str(tmp_path / "x.bin")),
+                      "token file not found")
+
+
+def make_study(root: Path, **meta) -> Path:
+    st = Study.open(root, create=True, meta={"settings": {"budget": 2}})
+    st.start_trial(0, TrialConfig(micro_batch_size=1, gradient_accumulation_steps=4), "baseline", "")
+    with st._db:
+        for k, v in meta.items():
+            st._db.execute("INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)", (k, v))
+    st.close()
+    (root / "summary.json").write_text("{}")
+    return root
+
+
+@pytest.mark.parametrize("kind, needle", [
+    ("other-format", "study format 99"),
+    ("bad-settings", "stored settings"),
+    ("not-a-study-folder", "not an autotune study"),
+    ("garbage-db", "not a readable SQLite"),
+    ("foreign-sqlite", "not an autotune study database"),
+    ("empty-db", "empty study database"),
+    ("a-file", "is not a folder"),
+])
+def test_study_folder_from_elsewhere_is_refused_untouched(tmp_path, kind, needle):
+    root = tmp_path / "st"
+    if kind == "other-format":
+        make_study(root, format="99")
+    elif kind == "bad-settings":
+        make_study(root, settings=json.dumps({"budget": 2, "warp_drive": True}))
+    elif kind == "not-a-study-folder":
+        root.mkdir()
+        (root / "notes.txt").write_text("mine")
+    elif kind == "garbage-db":
+        root.mkdir()
+        write(root / "study.db", b"this is not sqlite" * 100)
+    elif kind == "foreign-sqlite":
+        root.mkdir()
+        db = sqlite3.connect(root / "study.db")
+        db.execute("CREATE TABLE users(name TEXT)")
+        db.commit()
+        db.close()
+    elif kind == "empty-db":
+        root.mkdir()
+        sqlite3.connect(root / "study.db").close()
+    else:
+        write(root, "a file, not a folder")
+    before = folder_hash(root) if root.is_dir() else root.read_bytes()
+    assert_user_error(invoke("run", "--study", str(root), "--budget", "2"), needle)
+    assert_user_error(invoke("run", "--study", str(root), "--budget", "2", "--resume"))
+    after = folder_hash(root) if root.is_dir() else root.read_bytes()
+    assert before == after
+
+
+def test_resume_without_study(tmp_path):
+    assert_user_error(invoke("run", "--study", str(tmp_path / "none"), "--resume"), "nothing to resume")
+    assert not (tmp_path / "none").exists()
+
+
+def test_a_study_in_use_is_refused(tmp_path):
+    first = Study.open(tmp_path / "st", create=True, meta={})
+    try:
+        with pytest.raises(UserError, match="in use by another autotune run"):
+            Study.open(tmp_path / "st", create=False)
+    finally:
+        first.close()
+    Study.open(tmp_path / "st", create=False).close()  # released with its holder
+
+
+def test_a_result_is_recorded_once_and_counted_once(tmp_path):
+    st = Study.open(tmp_path / "st", create=True, meta={"budget": 4})
+    cfg = TrialConfig(micro_batch_size=2, gradient_accumulation_steps=4)
+    tid = st.start_trial(0, cfg, "baseline", "")
+    kw = dict(samples_per_second=None, failure_reason=None, failure_detail=None, summary=None,
+              rules_fired=[], wall_seconds=1.0)
+    st.finish_trial(tid, status=STATUS_OK, **{**kw, "samples_per_second": 10.0})
+    st.finish_trial(tid, status="failed", **{**kw, "failure_reason": "oom"})  # a late second write
+    assert [(t.status, t.samples_per_second) for t in st.trials()] == [("ok", 10.0)]
+    tid2 = st.start_trial(1, cfg, "explore", "")
+    assert [t.number for t in st.interrupt_running()] == [1]
+    st.finish_trial(tid2, status=STATUS_OK, **kw)  # a trial marked interrupted stays interrupted
+    assert [t.status for t in st.trials()] == ["ok", "interrupted"]
+    assert [t.number for t in st.counted()] == [0]
+    st.close()
+    assert stored_budget(tmp_path / "st") == 4
+    assert stored_budget(tmp_path / "nothing") is None
+
+
+def test_fault_specs():
+    assert parse_faults("oom@1,kill@3") == {1: "oom", 3: "kill"}
+    assert parse_faults("nan") == {None: "nan"}
+    assert parse_faults("") == {}
+    for bad in ("oom@x", "boom", "oom@-1"):
+        with pytest.raises(UserError):
+            parse_faults(bad)
+    wl = WorkloadOptions(faults="oom@1,nolauncher@2")
+    args1 = wl.script_args(ds_config=Path("/x/ds.json"), metrics_csv="m.csv", trial=1)
+    args2 = wl.script_args(ds_config=Path("/x/ds.json"), metrics_csv="m.csv", trial=2)
+    assert args1[-2:] == ["--fault", "oom"]
+    assert "--fault" not in args2  # a controller-side fault never reaches the rank
+    assert "--fault" not in wl.script_args(ds_config=Path("/x"), metrics_csv="m", trial=0)
+
+
+def test_derived_timeout_follows_the_slowest_finished_trial(tmp_path):
+    from autotune.tuner import DEFAULT_FIRST_TIMEOUT, MIN_TIMEOUT, TIMEOUT_FACTOR, Tuner
+
+    st = Study.open(tmp_path / "st", create=True, meta={})
+    tuner = Tuner.__new__(Tuner)
+    tuner.study, tuner.trial_timeout = st, None
+    assert tuner._timeout() == DEFAULT_FIRST_TIMEOUT
+    cfg = TrialConfig(micro_batch_size=1, gradient_accumulation_steps=1)
+    for n, wall in enumerate((10.0, 50.0)):
+        tid = st.start_trial(n, cfg, "x", "")
+        st.finish_trial(tid, status=STATUS_OK, samples_per_second=1.0, failure_reason=None,
+                        failure_detail=None, summary=None, rules_fired=[], wall_seconds=wall)
+    assert tuner._timeout() == max(MIN_TIMEOUT, TIMEOUT_FACTOR * 50.0)
+    tuner.trial_timeout = 7.0
+    assert tuner._timeout() == 7.0
+    st.close()
+
+
+def test_stop_leftovers_kills_by_group_and_by_command_line(tmp_path):
+    marker = str(tmp_path / "trial-007" / "ds_config.json")
+    code = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)', sys.argv[1]]); time.sleep(120)"
+    leader = subprocess.Popen([sys.executable, "-c", code, marker], start_new_session=True)
+    stray = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", marker])  # other group
+    deadline = time.time() + 20
+    while len(processes_with(marker)) < 3 and time.time() < deadline:
+        time.sleep(0.1)
+    assert len(processes_with(marker)) == 3
+    unrelated = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
+    try:
+        # a stored group id that is not this trial's (recycled) is left alone
+        assert stop_leftovers(unrelated.pid, marker, grace=2.0) == 3
+        assert processes_with(marker) == []
+        assert not group_alive(leader.pid)
+        assert unrelated.poll() is None
+    finally:
+        for p in (leader, stray, unrelated):
+            p.kill()
+            p.wait()
+
+
+def test_no_shell_and_loopback_defaults():
+    sources = [p for d in ("autotune", "exporters", "benchmarks") for p in (REPO / d).rglob("*.py")]
+    offenders = [str(p) for p in sources if re.search(r"shell\s*=\s*True|os\.system\(|os\.popen\(", p.read_text())]
+    assert offenders == []
+    from autotune.session import RunOptions
+
+    assert RunOptions().metrics_addr == "127.0.0.1" and WorkloadOptions().metrics_addr == "127.0.0.1"
+    help_text = invoke("run", "--help").output
+    assert "127.0.0.1" in help_text
+
+
+def test_rule_files_are_data_not_code(tmp_path):
+    from autotune.advisor.rulebook import load_rule_file
+
+    canary = tmp_path / "pwned"
+    evil = tmp_path / "evil.toml"
+    evil.write_text(f'''[[rule]]
+id = "evil"
+title = "__import__('os').system('touch {canary}')"
+severity = "info"
+signal = "__import__('os').system('touch {canary}')"
+op = ">"
+threshold = 0
+explanation = "x"
+''')
+    with pytest.raises(UserError):
+        load_rule_file(evil)
+    assert not canary.exists()
