@@ -121,6 +121,7 @@ def _print_outcome(summary: dict, study: str) -> None:
         f"\nbest: trial {best['trial']}: micro {best['micro_batch_size']}, GAS "
         f"{best['gradient_accumulation_steps']}, reduce_bucket_size {best['reduce_bucket_size'] or 'not tuned'}"
         f" -> {best['samples_per_second']:.1f} samples/s"
+        + (f" (mean of {best['measurements']} runs)" if best.get("measurements", 1) > 1 else "")
     )
     if base and base.get("samples_per_second") and summary.get("speedup_over_baseline"):
         click.echo(f"baseline: {base['samples_per_second']:.1f} samples/s; "

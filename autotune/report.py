@@ -41,7 +41,7 @@ def build_summary(study: Study) -> dict[str, Any]:
         "counted_trials": len(counted),
         "failed_trials": sum(1 for t in counted if t.status == "failed"),
         "baseline": trial_entry(baseline) if baseline else None,
-        "best": trial_entry(best) if best else None,
+        "best": ({**trial_entry(best), "measurements": best.repeats} if best else None),
         "speedup_over_baseline": speedup,
     }
 
@@ -61,7 +61,8 @@ def render_report(summary: dict[str, Any]) -> str:
     if best:
         lines.append(f"Best: trial {best['trial']}, micro {best['micro_batch_size']}, "
                      f"GAS {best['gradient_accumulation_steps']}, reduce_bucket_size "
-                     f"{best['reduce_bucket_size'] or 'not tuned'}: {best['samples_per_second']:.1f} samples/s.")
+                     f"{best['reduce_bucket_size'] or 'not tuned'}: {best['samples_per_second']:.1f} samples/s"
+                     f" (mean of {best['measurements']} measurement(s)).")
     if base and base["samples_per_second"]:
         lines.append(f"Baseline (trial 0): {base['samples_per_second']:.1f} samples/s.")
     if summary["speedup_over_baseline"]:

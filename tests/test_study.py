@@ -66,3 +66,20 @@ def test_write_atomic_replaces_whole_file(tmp_path):
     write_atomic(p, "new")
     assert p.read_text() == "new"
     assert [x.name for x in tmp_path.iterdir()] == ["a.json"]
+
+
+def test_best_is_judged_by_the_mean_of_repeated_measurements(tmp_path):
+    s = Study.open(tmp_path / "st", create=True)
+    other = TrialConfig(micro_batch_size=4, gradient_accumulation_steps=2, reduce_bucket_size=10**5)
+    for n, (cfg, sps) in enumerate([(CFG, 12.0), (other, 10.0), (CFG, 6.0)]):
+        i = s.start_trial(n, cfg, "bayes", "")
+        s.finish_trial(i, status="ok", samples_per_second=sps, failure_reason=None, failure_detail=None,
+                       summary=None, rules_fired=[], wall_seconds=1.0)
+    best = s.best()
+    # CFG's lucky 12.0 averages to 9.0 with its re-measurement: `other` (10.0) is the better config
+    assert best.config == other and best.samples_per_second == 10.0 and best.repeats == 1
+    i = s.start_trial(3, other, "remeasure", "")
+    s.finish_trial(i, status="ok", samples_per_second=6.0, failure_reason=None, failure_detail=None,
+                   summary=None, rules_fired=[], wall_seconds=1.0)
+    best = s.best()
+    assert best.config == CFG and best.samples_per_second == 9.0 and best.repeats == 2 and best.number == 2
