@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import sqlite3
+from pathlib import Path
 
 import pytest
 from launch_helpers import run_ranks
@@ -12,6 +13,7 @@ from launch_helpers import run_ranks
 from autotune.schema import CSV_COLUMNS, REQUIRED_COLUMNS
 
 pytestmark = pytest.mark.slow
+SHM = Path("/dev/shm")
 
 
 @pytest.fixture(scope="module")
@@ -19,14 +21,16 @@ def study(tmp_path_factory):
     from launch_helpers import autotune_cli
 
     root = tmp_path_factory.mktemp("e2e")
+    shm_before = set(SHM.glob("deepspeed_allreduce_buffer_*"))
     proc = autotune_cli("run", "--budget", "3", "--study", "st", "--steps", "2", "--warmup-steps", "1",
                         cwd=root)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return root / "st", proc
+    leaked = set(SHM.glob("deepspeed_allreduce_buffer_*")) - shm_before
+    return root / "st", proc, leaked
 
 
 def test_study_database_holds_every_trial(study):
-    root, _ = study
+    root, *_ = study
     db = sqlite3.connect(root / "study.db")
     rows = db.execute("SELECT number, status, source, micro_batch_size, gradient_accumulation_steps,"
                       " reduce_bucket_size, samples_per_second, summary_json FROM trials ORDER BY number").fetchall()
@@ -42,7 +46,7 @@ def test_study_database_holds_every_trial(study):
 
 
 def test_trial_folders_and_csv_schema(study):
-    root, _ = study
+    root, *_ = study
     for n in range(3):
         d = root / f"trial-{n:03d}"
         cfg = json.loads((d / "ds_config.json").read_text())
@@ -60,7 +64,7 @@ def test_trial_folders_and_csv_schema(study):
 
 
 def test_summary_json_and_best(study):
-    root, proc = study
+    root, proc, _ = study
     summary = json.loads((root / "summary.json").read_text())
     assert len(summary["trials"]) == 3
     best = summary["best"]
@@ -79,9 +83,15 @@ def test_summary_json_and_best(study):
 
 
 def test_best_config_initializes_a_deepspeed_engine(study, tmp_path):
-    root, _ = study
+    root, *_ = study
     best = json.loads((root / "best_ds_config.json").read_text())
     records, summary, rc = run_ranks(tmp_path, best, ranks=4, steps=1, warmup=0, preset="tiny")
     assert rc == 0
     assert summary is not None and summary.micro_batch_size == best["train_micro_batch_size_per_gpu"]
     assert summary.data_parallel_size == 2
+
+
+def test_no_shared_memory_left_behind(study):
+    """DeepSpeed's CPU comm op never unlinks its /dev/shm buffers; the launcher removes them."""
+    *_, leaked = study
+    assert leaked == set()

@@ -1,0 +1,20 @@
+from autotune.launcher import LaunchSpec, build_command, remove_shm_buffers
+
+
+def test_shm_buffers_of_one_trial_port_only_are_removed(tmp_path):
+    mine = [tmp_path / f"deepspeed_allreduce_buffer_0_127.0.0.1_41234_{r}" for r in range(2)]
+    other = tmp_path / "deepspeed_allreduce_buffer_0_127.0.0.1_41235_0"
+    unrelated = tmp_path / "something_41234_0"
+    for f in (*mine, other, unrelated):
+        f.write_bytes(b"x")
+    assert remove_shm_buffers(41234, shm_dir=tmp_path) == 2
+    assert not any(f.exists() for f in mine)
+    assert other.exists() and unrelated.exists()
+
+
+def test_command_is_an_argument_list_through_deepspeeds_launcher(tmp_path):
+    spec = LaunchSpec(num_ranks=4, script_args=["--steps", "3"], log_path=tmp_path / "l", timeout=1)
+    cmd = build_command(spec, 29500)
+    assert cmd[1:3] == ["-m", "deepspeed.launcher.runner"]
+    assert cmd[cmd.index("--num_gpus") + 1] == "4" and cmd[cmd.index("--master_port") + 1] == "29500"
+    assert "--no_local_rank" in cmd and cmd[-2:] == ["--steps", "3"]
