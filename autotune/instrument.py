@@ -26,14 +26,14 @@ from typing import Any, Protocol
 from autotune.schema import StepRecord
 from autotune.timing import IntervalTimer, make_timer
 
-COMPUTE, COMM, WAIT, DATA = "compute", "comm", "wait", "data"
+COMPUTE, OPTIMIZER, COMM, WAIT, DATA = "compute", "optimizer", "comm", "wait", "data"
 
 # Instruction class name -> category. Names, not classes, so this module
 # imports without DeepSpeed.
 INSTRUCTION_CATEGORY: dict[str, str] = {
     "ForwardPass": COMPUTE,
     "BackwardPass": COMPUTE,
-    "OptimizerStep": COMPUTE,
+    "OptimizerStep": OPTIMIZER,  # compute, kept apart: it runs outside the pipeline schedule
     "SendActivation": COMM,
     "SendGrad": COMM,
     "ReduceGrads": COMM,
@@ -140,7 +140,8 @@ class PipelineProbe:
         gas = int(eng.gradient_accumulation_steps())
         dp = int(eng.grid.data_parallel_size)
         stages = int(eng.num_stages)
-        compute = parts.get(COMPUTE, 0.0)
+        optimizer = parts.get(OPTIMIZER, 0.0)
+        compute = parts.get(COMPUTE, 0.0) + optimizer
         samples_per_second = micro * gas * dp / step_seconds if step_seconds > 0 else 0.0
         util = None
         if self.device is not None:
@@ -170,6 +171,7 @@ class PipelineProbe:
             reduce_bucket_size=_acting_bucket(eng, dp), pipeline_stages=stages,
             data_parallel_size=dp, seq_length=self.seq_length,
             device=str(eng.device) if hasattr(eng, "device") else "cpu", host=self.host,
+            optimizer_seconds=optimizer,
         )
 
 

@@ -235,4 +235,7 @@ def stop_leftovers(pgid: int | None, marker: str, grace: float = 5.0) -> int:
             os.kill(pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
+    deadline = time.monotonic() + grace  # SIGKILL is delivered asynchronously: wait for it
+    while processes_with(marker) and time.monotonic() < deadline:
+        time.sleep(0.05)
     return len(found)

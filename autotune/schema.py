@@ -72,6 +72,9 @@ class StepRecord:
     device: str = "cpu"
     """Device name, e.g. cpu or cuda:0."""
     host: str = ""
+    optimizer_seconds: float | None = None
+    """OptimizerStep instruction time (already inside compute_seconds). Outside the
+    pipeline schedule, so the bubble and stage balance leave it out."""
 
 
 CSV_COLUMNS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(StepRecord))

@@ -33,15 +33,18 @@ def fluctuation(samples: Sequence[float]) -> float | None:
     return statistics.pstdev(vals)
 
 
-def bubble_fraction(compute_seconds: float, step_seconds: float) -> float:
-    """Measured bubble: the share of the step a rank was not computing, 1 - compute/step.
+def bubble_fraction(compute_seconds: float, step_seconds: float, optimizer_seconds: float = 0.0) -> float:
+    """Measured bubble: the share of the pipeline schedule a rank was not computing.
 
-    It holds the pipeline bubble (waiting for peer stages) plus transfer and
-    data-loading time, so it sits at or above the ideal (p-1)/(m+p-1).
+    1 - (compute - optimizer) / (step - optimizer): the optimizer step runs after
+    the 1F1B schedule, outside the bubble the ideal (p-1)/(m+p-1) describes. The
+    idle share holds waiting for peer stages plus transfer and data-loading time,
+    so it sits at or above the ideal.
     """
-    if step_seconds <= 0:
+    schedule = step_seconds - optimizer_seconds
+    if schedule <= 0:
         return 0.0
-    return max(0.0, 1.0 - compute_seconds / step_seconds)
+    return max(0.0, 1.0 - (compute_seconds - optimizer_seconds) / schedule)
 
 
 def comm_compute_ratio(comm: float, wait: float, compute: float) -> float | None:
@@ -60,6 +63,9 @@ class RankSummary:
     device_utilization_fluctuation: float | None
     comm_compute_ratio: float | None
     compute_seconds_mean: float
+    """Forward + backward + optimizer step."""
+    schedule_compute_seconds_mean: float
+    """Forward + backward only: the work the pipeline partition splits across stages."""
     comm_seconds_mean: float
     wait_seconds_mean: float
     bubble_fraction: float
@@ -102,7 +108,7 @@ class TrialSummary:
     """Mean over ranks of the idle share 1 - compute / step (compare with the ideal)."""
     bubble_fraction_ideal: float
     stage_compute_imbalance: float
-    """max / mean of per-stage mean compute seconds (1.0 = balanced)."""
+    """max / mean of per-stage mean forward+backward seconds (1.0 = balanced)."""
     slowest_stage: int
     stage_compute_seconds: list[float]
     memory_fragmentation_ratio: float | None
@@ -119,7 +125,12 @@ class TrialSummary:
     @classmethod
     def from_dict(cls, d: dict) -> TrialSummary:
         d = dict(d)
-        d["ranks"] = [RankSummary(**r) for r in d.get("ranks", [])]
+        ranks = []
+        for r in d.get("ranks", []):
+            r = dict(r)
+            r.setdefault("schedule_compute_seconds_mean", r["compute_seconds_mean"])  # format 1 studies
+            ranks.append(RankSummary(**r))
+        d["ranks"] = ranks
         return cls(**d)
 
 
@@ -169,6 +180,7 @@ def summarize_trial(records: Sequence[StepRecord]) -> TrialSummary | None:
     ranks = []
     for rank, rows in sorted(by_rank.items()):
         comp = sum(r.compute_seconds for r in rows)
+        opt = sum(r.optimizer_seconds or 0.0 for r in rows)
         comm = sum(r.comm_seconds for r in rows)
         wait = sum(r.wait_seconds for r in rows)
         total = sum(r.step_seconds for r in rows)
@@ -178,15 +190,16 @@ def summarize_trial(records: Sequence[StepRecord]) -> TrialSummary | None:
             device_utilization_mean=statistics.fmean(utils),
             device_utilization_fluctuation=fluctuation(utils),
             comm_compute_ratio=comm_compute_ratio(comm, wait, comp),
-            compute_seconds_mean=comp / len(rows), comm_seconds_mean=comm / len(rows),
+            compute_seconds_mean=comp / len(rows),
+            schedule_compute_seconds_mean=(comp - opt) / len(rows), comm_seconds_mean=comm / len(rows),
             wait_seconds_mean=wait / len(rows),
-            bubble_fraction=bubble_fraction(comp, total),
+            bubble_fraction=bubble_fraction(comp, total, opt),
             wait_fraction=wait / total if total > 0 else 0.0,
         ))
 
     stage_comp: dict[int, list[float]] = defaultdict(list)
     for rs in ranks:
-        stage_comp[rs.stage].append(rs.compute_seconds_mean)
+        stage_comp[rs.stage].append(rs.schedule_compute_seconds_mean)
     stage_means = [statistics.fmean(stage_comp[s]) for s in sorted(stage_comp)]
     mean_comp = statistics.fmean(stage_means)
     imbalance = max(stage_means) / mean_comp if mean_comp > 0 else 1.0

@@ -34,11 +34,11 @@ FOR = "1m"
 RANK_LABELS = {"job": "demo", "trial": "3", "device": "cuda:0", "host": "node1"}
 
 RECORDING: tuple[tuple[str, str], ...] = (
-    ("job_trial_stage:autotune_step_compute_seconds:avg",
-     "avg by (job, trial, stage) (autotune_step_compute_seconds)"),
+    ("job_trial_stage:autotune_step_schedule_compute_seconds:avg",
+     "avg by (job, trial, stage) (autotune_step_schedule_compute_seconds)"),
     ("job_trial:autotune_stage_compute_imbalance:ratio",
-     "max by (job, trial) (job_trial_stage:autotune_step_compute_seconds:avg)"
-     " / avg by (job, trial) (job_trial_stage:autotune_step_compute_seconds:avg)"),
+     "max by (job, trial) (job_trial_stage:autotune_step_schedule_compute_seconds:avg)"
+     " / avg by (job, trial) (job_trial_stage:autotune_step_schedule_compute_seconds:avg)"),
     ("job_trial:autotune_bubble_measured_ratio:avg",
      "avg by (job, trial) (autotune_bubble_measured_ratio)"),
     ("job_trial:autotune_bubble_ideal_ratio:max",
@@ -215,7 +215,7 @@ def render_tests(thresholds: Mapping[str, float]) -> str:
             "    input_series:"]
     for rank, secs in (("0", 1), ("1", 3)):
         lab = {**RANK_LABELS, "rank": rank, "stage": rank}
-        out += [f"      - series: {_q(_series('autotune_step_compute_seconds', lab))}",
+        out += [f"      - series: {_q(_series('autotune_step_schedule_compute_seconds', lab))}",
                 f"        values: {_q(f'{secs}x5')}"]
     out += ["    promql_expr_test:",
             "      - expr: job_trial:autotune_stage_compute_imbalance:ratio",

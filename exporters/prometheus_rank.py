@@ -195,8 +195,12 @@ class RankExporter:
         yield from gauge("autotune_tokens_per_second", "samples_per_second x sequence length.",
                          r.tokens_per_second)
         yield from gauge("autotune_step_compute_seconds",
-                         "Forward + backward + optimizer seconds in the last step (stage imbalance input).",
+                         "Forward + backward + optimizer seconds in the last step.",
                          r.compute_seconds)
+        yield from gauge("autotune_step_schedule_compute_seconds",
+                         "Forward + backward seconds in the last step: the work the partition splits "
+                         "across stages (stage imbalance input).",
+                         r.compute_seconds - (r.optimizer_seconds or 0.0))
         yield from gauge("autotune_step_comm_seconds",
                          "Send + gradient reduction seconds in the last step.", r.comm_seconds)
         yield from gauge("autotune_step_wait_seconds",
@@ -205,8 +209,9 @@ class RankExporter:
         yield from gauge("autotune_step_data_seconds", "Data loading seconds in the last step.",
                          r.data_seconds)
         yield from gauge("autotune_bubble_measured_ratio",
-                         "This rank's idle share 1 - compute/step in the last step.",
-                         bubble_fraction(r.compute_seconds, r.step_seconds) if r.step_seconds > 0 else None)
+                         "This rank's idle share of the pipeline schedule in the last step.",
+                         bubble_fraction(r.compute_seconds, r.step_seconds, r.optimizer_seconds or 0.0)
+                         if r.step_seconds > 0 else None)
         yield from gauge("autotune_bubble_ideal_ratio",
                          "1F1B ideal bubble (p-1)/(m+p-1), m = gradient accumulation steps.",
                          _ideal(r))

@@ -13,7 +13,8 @@ def healthy_summary(**overrides: object) -> TrialSummary:
     """Two stages x 2 dp, GAS 8: every built-in metrics rule stays quiet on this."""
     ranks = [RankSummary(rank=r, stage=r // 2, steps=10, device_utilization_mean=0.8,
                          device_utilization_fluctuation=0.05, comm_compute_ratio=0.1,
-                         compute_seconds_mean=0.5, comm_seconds_mean=0.03, wait_seconds_mean=0.02,
+                         compute_seconds_mean=0.5, schedule_compute_seconds_mean=0.45,
+                         comm_seconds_mean=0.03, wait_seconds_mean=0.02,
                          bubble_fraction=0.15, wait_fraction=0.1) for r in range(4)]
     base = dict(
         trial=0, steps=10, warmup_steps=2, micro_batch_size=4, gradient_accumulation_steps=8,

@@ -19,6 +19,7 @@ def _ranks(**kw):
     return [RankSummary(rank=r, stage=r // 2, steps=10, device_utilization_mean=0.8,
                         device_utilization_fluctuation=kw.get("fl", 0.05),
                         comm_compute_ratio=kw.get("ccr", 0.1), compute_seconds_mean=0.5,
+                        schedule_compute_seconds_mean=0.45,
                         comm_seconds_mean=0.03, wait_seconds_mean=0.02,
                         bubble_fraction=kw.get("bubble", 0.15), wait_fraction=0.1)
             for r in range(4)]

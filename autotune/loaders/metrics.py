@@ -19,7 +19,7 @@ import numpy as np
 from autotune.errors import InputFileError
 from autotune.loaders.detect import read_header
 from autotune.schema import CSV_COLUMNS, REQUIRED_COLUMNS, StepRecord
-from autotune.summary import RankSummary, TrialSummary, ideal_bubble_fraction
+from autotune.summary import RankSummary, TrialSummary, bubble_fraction, ideal_bubble_fraction
 
 NUMERIC_COLUMNS = tuple(c for c in CSV_COLUMNS if c not in ("device", "host"))
 NEEDED_COLUMNS = tuple(
@@ -34,7 +34,7 @@ SUMMARY_COLUMNS = frozenset({
     "trial", "rank", "stage", "step", "warmup", "step_seconds", "compute_seconds", "comm_seconds",
     "wait_seconds", "device_utilization", "memory_fragmentation_ratio", "loss", "micro_batch_size",
     "gradient_accumulation_steps", "reduce_bucket_size", "pipeline_stages", "data_parallel_size",
-    "seq_length", "memory_peak_bytes", "memory_reserved_bytes",
+    "seq_length", "memory_peak_bytes", "memory_reserved_bytes", "optimizer_seconds",
 })
 """The columns summarize reads; the others are only validated."""
 
@@ -181,6 +181,8 @@ def _summarize_trial(c: Columns, source: str) -> TrialSummary | None:
     util_mean = sums["device_utilization"] / n
     util_std = np.sqrt(np.bincount(rinv, weights=(m["device_utilization"] - util_mean[rinv]) ** 2) / n)
     comp, comm, wait, total = (sums[k] for k in ("compute_seconds", "comm_seconds", "wait_seconds", "step_seconds"))
+    opt_col = np.nan_to_num(m["optimizer_seconds"]) if "optimizer_seconds" in m else np.zeros_like(m["step_seconds"])
+    opt = np.bincount(rinv, weights=opt_col, minlength=len(n))
     rank_stage = m["stage"][r_first].astype(int)
     rank_rows = []
     for k, rank in enumerate(ranks):
@@ -189,14 +191,16 @@ def _summarize_trial(c: Columns, source: str) -> TrialSummary | None:
             device_utilization_mean=float(util_mean[k]),
             device_utilization_fluctuation=float(util_std[k]) if n[k] >= 2 else None,
             comm_compute_ratio=float((comm[k] + wait[k]) / comp[k]) if comp[k] > 0 else None,
-            compute_seconds_mean=float(comp[k] / n[k]), comm_seconds_mean=float(comm[k] / n[k]),
+            compute_seconds_mean=float(comp[k] / n[k]),
+            schedule_compute_seconds_mean=float((comp[k] - opt[k]) / n[k]), comm_seconds_mean=float(comm[k] / n[k]),
             wait_seconds_mean=float(wait[k] / n[k]),
-            bubble_fraction=max(0.0, float(1.0 - comp[k] / total[k])) if total[k] > 0 else 0.0,
+            bubble_fraction=bubble_fraction(float(comp[k]), float(total[k]), float(opt[k])),
             wait_fraction=float(wait[k] / total[k]) if total[k] > 0 else 0.0,
         ))
 
     stage_ids = sorted(set(rank_stage.tolist()))
-    stage_means = [float(np.mean([r.compute_seconds_mean for r in rank_rows if r.stage == s])) for s in stage_ids]
+    stage_means = [float(np.mean([r.schedule_compute_seconds_mean for r in rank_rows if r.stage == s]))
+                   for s in stage_ids]
     mean_comp = float(np.mean(stage_means))
     imbalance = max(stage_means) / mean_comp if mean_comp > 0 else 1.0
     slowest = stage_ids[stage_means.index(max(stage_means))]
