@@ -39,7 +39,7 @@ class ProgressDisplay:
     def trial_row(self, number: int, config: TrialConfig, source: str, status: str,
                   summary: TrialSummary | None, failure: str | None, best: bool) -> None:
         self.header()
-        bucket = "-" if config.reduce_bucket_size is None else f"{config.reduce_bucket_size:.0e}"
+        bucket = "-" if config.reduce_bucket_size is None else f"{config.reduce_bucket_size:.2g}"
         if summary is not None:
             sps = f"{summary.samples_per_second:10.1f}"
             util = _pct(summary.device_utilization_mean)

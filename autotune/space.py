@@ -32,7 +32,7 @@ class TrialConfig:
         return (self.micro_batch_size, self.gradient_accumulation_steps, self.reduce_bucket_size)
 
     def describe(self) -> str:
-        bucket = "-" if self.reduce_bucket_size is None else f"{self.reduce_bucket_size:.0e}".replace("+0", "")
+        bucket = "-" if self.reduce_bucket_size is None else f"{self.reduce_bucket_size:.2g}".replace("+0", "")
         return f"micro={self.micro_batch_size} gas={self.gradient_accumulation_steps} bucket={bucket}"
 
 
