@@ -16,9 +16,9 @@ def stage_ratio(summary) -> float:
 
 def test_injected_slow_stage_shows_as_imbalance_and_waiting(tmp_path):
     """Stage 1 made 3x slower: its compute share grows 3x (within 15 %), stage 0 waits more."""
-    cfg = pipeline_config(4, 4)
-    _, base, rc0 = run_ranks(tmp_path / "base", cfg, extra=[*SLOW, "--slow-factor", "1"])
-    _, slow, rc1 = run_ranks(tmp_path / "slow", cfg, extra=[*SLOW, "--slow-factor", "3"])
+    cfg = pipeline_config(8, 4)
+    _, base, rc0 = run_ranks(tmp_path / "base", cfg, extra=[*SLOW, "--slow-factor", "1"], steps=8)
+    _, slow, rc1 = run_ranks(tmp_path / "slow", cfg, extra=[*SLOW, "--slow-factor", "3"], steps=8)
     assert rc0 == rc1 == 0
     measured = stage_ratio(slow) / stage_ratio(base)
     assert measured == pytest.approx(3.0, rel=0.15)

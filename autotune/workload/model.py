@@ -7,6 +7,8 @@ tensors (hidden states) because DeepSpeed's p2p layer sends tensors.
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -85,21 +87,39 @@ class LMHeadPipe(nn.Module):
         return self.head(self.norm(x))
 
 
-class Repeated(nn.Module):
-    """Runs a layer `factor` times and averages: same output, factor x the compute.
+def _busy_wait(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
 
-    Used to make one stage slower by a known factor (signal ground-truth tests).
+
+class Slowed(nn.Module):
+    """Makes a layer's forward and backward take `factor` times their measured time.
+
+    After the real work it keeps the CPU busy for (factor - 1) x what the work
+    took, timed on each call, so the stage is slower by a known factor whatever
+    the machine. Output and gradients are unchanged. Used by the signal
+    ground-truth tests (--slow-stage / --slow-factor).
     """
 
-    def __init__(self, layer: nn.Module, factor: int) -> None:
+    def __init__(self, layer: nn.Module, factor: float) -> None:
         super().__init__()
         self.layer, self.factor = layer, factor
+        self._backward_started = 0.0
+        self.register_full_backward_pre_hook(self._backward_start)
+        self.register_full_backward_hook(self._backward_end)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        outs = [self.layer(x) for _ in range(self.factor)]
-        if not torch.is_floating_point(outs[0]):
-            return outs[0]
-        return torch.stack(outs).mean(0)
+        start = time.perf_counter()
+        out = self.layer(x)
+        _busy_wait((self.factor - 1) * (time.perf_counter() - start))
+        return out
+
+    def _backward_start(self, module: nn.Module, grad_output: object) -> None:
+        self._backward_started = time.perf_counter()
+
+    def _backward_end(self, module: nn.Module, grad_input: object, grad_output: object) -> None:
+        _busy_wait((self.factor - 1) * (time.perf_counter() - self._backward_started))
 
 
 def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -121,8 +141,8 @@ def build_pipeline_module(preset: ModelPreset, *, stages: int, partition_method:
         activation_checkpoint_interval=activation_checkpoint_interval,
         base_seed=seed,
     )
-    if slow_stage is not None and slow_factor > 1 and module.stage_id == slow_stage:
+    if slow_stage is not None and module.stage_id == slow_stage:  # factor 1: same hooks, no wait
         # forward_funcs holds this stage's layers in order; wrapping keeps parameters shared.
-        module.forward_funcs = [Repeated(f, slow_factor) if isinstance(f, nn.Module) else f
+        module.forward_funcs = [Slowed(f, slow_factor) if isinstance(f, nn.Module) else f
                                 for f in module.forward_funcs]
     return module
