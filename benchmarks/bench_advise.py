@@ -38,7 +38,7 @@ def write_csv(path: Path, rows: int, ranks: int = 4, trials: int = 20) -> None:
                 "micro_batch_size": 4, "gradient_accumulation_steps": 8,
                 "reduce_bucket_size": 100000, "pipeline_stages": 2, "data_parallel_size": 2,
                 "seq_length": 128, "memory_peak_bytes": "1000000000", "memory_inactive_split_bytes": "",
-                "loss_scale": "", "device": "cpu", "host": "n1",
+                "loss_scale": "", "device": "cpu", "host": "n1", "optimizer_seconds": "0.02",
             }
             fh.write(",".join(str(cells[c]) for c in CSV_COLUMNS) + "\n")
 
