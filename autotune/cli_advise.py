@@ -29,7 +29,7 @@ def _user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return fn(*args, **kwargs)
         except UserError as exc:
-            click.echo(f"error: {exc}", err=True)
+            click.echo(f"autotune: error: {exc}", err=True)
             raise SystemExit(exc.exit_code) from None
     return wrapper
 

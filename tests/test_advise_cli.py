@@ -120,7 +120,7 @@ def test_bad_configs_exit_2(tmp_path, content):
     f = tmp_path / "c.json"
     f.write_text(content)
     r = run("check", str(f))
-    assert r.exit_code == 2 and r.output.startswith("error: ") and r.output.count("\n") == 1
+    assert r.exit_code == 2 and r.output.startswith("autotune: error: ") and r.output.count("\n") == 1
     assert "Traceback" not in r.output
 
 
@@ -134,7 +134,7 @@ def test_bad_metrics_exit_2(tmp_path, name, content):
         content = csv_text(grid_records()).replace("0.6", "abc", 1).encode()
     f.write_bytes(content)
     r = run("advise", str(f))
-    assert r.exit_code == 2 and r.output.startswith("error: ") and r.output.count("\n") == 1
+    assert r.exit_code == 2 and r.output.startswith("autotune: error: ") and r.output.count("\n") == 1
 
 
 def test_missing_file_exit_2(tmp_path):
@@ -177,7 +177,7 @@ def test_property_bad_cell_in_metrics_exits_2(tmp_path, junk, column):
         assert r.exit_code == 0, r.output
     else:
         assert r.exit_code == 2, (name, junk, r.output)
-        assert r.output.startswith("error: ") and r.output.count("\n") == 1
+        assert r.output.startswith("autotune: error: ") and r.output.count("\n") == 1
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -187,7 +187,7 @@ def test_property_random_bytes_never_traceback(tmp_path, data):
     f.write_bytes(data)
     r = run("advise", str(f))
     assert r.exit_code == 2, r.output
-    assert r.output.startswith("error: ") and "Traceback" not in r.output
+    assert r.output.startswith("autotune: error: ") and "Traceback" not in r.output
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -204,4 +204,4 @@ def test_property_malformed_config_values(tmp_path, value, key):
     assert r.exit_code in (0, 1, 2), r.output
     assert r.exception is None or isinstance(r.exception, SystemExit), repr(r.exception)
     if r.exit_code == 2:
-        assert r.output.startswith("error: ") and r.output.count("\n") == 1
+        assert r.output.startswith("autotune: error: ") and r.output.count("\n") == 1
