@@ -58,3 +58,16 @@ def detect_format(path: str | Path) -> str:
     raise InputFileError(
         f"{path}: unrecognised header {shown!r}; expected an autotune metrics CSV, nvidia-smi "
         "--format=csv output, or a Prometheus export with metric,...,value columns")
+
+
+def read_rows(path: str | Path, what: str) -> list[list[str]]:
+    """All rows of a small CSV (nvidia-smi, Prometheus export); one-line errors."""
+    p = Path(path)
+    try:
+        with open(p, newline="", encoding="utf-8-sig") as fh:
+            rows = list(csv.reader(fh))
+    except (UnicodeDecodeError, csv.Error) as exc:
+        raise InputFileError(f"{p}: unreadable {what} CSV ({exc.__class__.__name__})") from None
+    if not rows:
+        raise InputFileError(f"{p}: the file is empty")
+    return rows

@@ -10,13 +10,13 @@ reserved, so fragmentation is not available from it.
 
 from __future__ import annotations
 
-import csv
 import statistics
 from collections import defaultdict
 from pathlib import Path
 
 from autotune.advisor.signals import ALL_SIGNALS, RankValue, SignalSet
 from autotune.errors import InputFileError
+from autotune.loaders.detect import read_rows
 
 NOTE = ("nvidia-smi input: only utilization (fluctuation) and memory signals exist; "
         "communication, bubble, imbalance, jitter and fragmentation rules report insufficient data")
@@ -39,13 +39,7 @@ def _split(cell: str) -> tuple[str, str]:
 
 def load_nvidia_smi(path: str | Path) -> SignalSet:
     p = Path(path)
-    try:
-        with open(p, newline="", encoding="utf-8-sig") as fh:
-            rows = list(csv.reader(fh))
-    except (UnicodeDecodeError, csv.Error) as exc:
-        raise InputFileError(f"{p}: unreadable nvidia-smi CSV ({exc.__class__.__name__})") from None
-    if not rows:
-        raise InputFileError(f"{p}: the file is empty")
+    rows = read_rows(p, "nvidia-smi")
     header = [_split(h) for h in rows[0]]
     names = [n for n, _ in header]
     for need in ("index", "utilization.gpu"):

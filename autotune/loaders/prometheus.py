@@ -12,7 +12,6 @@ README's: fluctuation = population std of a rank's utilization samples.
 
 from __future__ import annotations
 
-import csv
 import math
 import statistics
 from collections import defaultdict
@@ -20,6 +19,7 @@ from pathlib import Path
 
 from autotune.advisor.signals import ALL_SIGNALS, FRAGMENTATION_NOT_AVAILABLE, RankValue, SignalSet
 from autotune.errors import InputFileError
+from autotune.loaders.detect import read_rows
 
 NOTE = ("Prometheus export: signals come from the exported gauges; batch-layout rules need the "
         "metrics CSV or --config")
@@ -38,13 +38,7 @@ Key = tuple[str, str, str]  # rank, stage, device
 
 def load_prometheus(path: str | Path) -> list[SignalSet]:
     p = Path(path)
-    try:
-        with open(p, newline="", encoding="utf-8-sig") as fh:
-            rows = list(csv.reader(fh))
-    except (UnicodeDecodeError, csv.Error) as exc:
-        raise InputFileError(f"{p}: unreadable Prometheus CSV ({exc.__class__.__name__})") from None
-    if not rows:
-        raise InputFileError(f"{p}: the file is empty")
+    rows = read_rows(p, "Prometheus")
     header = [h.strip() for h in rows[0]]
     name_col = header.index("metric") if "metric" in header else header.index("__name__")
     col = {h: i for i, h in enumerate(header)}
