@@ -71,7 +71,7 @@ def cli() -> None:
 @click.option("--metrics-addr", default="127.0.0.1", show_default=True,
               help="Bind address of the endpoints (anything but loopback exposes them).")
 @click.option("--slow-stage", type=int, default=None, hidden=True)
-@click.option("--slow-ms", type=int, default=0, hidden=True)
+@click.option("--slow-factor", type=int, default=1, hidden=True)
 @click.option("--fault", default=None, hidden=True)
 def run_cmd(**kw) -> None:
     """Tune micro-batch, gradient accumulation and reduce_bucket_size with real trials."""
@@ -91,7 +91,7 @@ def run_cmd(**kw) -> None:
         preset=kw["preset"], pipeline_stages=kw["stages"], data_parallel_size=kw["dp"],
         steps=kw["steps"], warmup_steps=kw["warmup_steps"], partition_method=kw["partition_method"],
         activation_checkpoint_interval=kw["activation_checkpoint_interval"], tokens=kw["tokens"],
-        slow_stage=kw["slow_stage"], slow_ms=kw["slow_ms"], faults=kw["fault"] or "",
+        slow_stage=kw["slow_stage"], slow_factor=kw["slow_factor"], faults=kw["fault"] or "",
     )
     opts = RunOptions(
         budget=budget, study=kw["study"], resume=kw["resume"], config=kw["config"],

@@ -85,8 +85,8 @@ def validate(opts: RunOptions) -> None:
         raise UserError("--steps and --warmup-steps must be <= 100000 (a trial is a short measurement)")
     if wl.activation_checkpoint_interval < 0:
         raise UserError(f"--activation-checkpoint-interval must be >= 0, got {wl.activation_checkpoint_interval}")
-    if wl.threads < 1 or wl.slow_ms < 0 or wl.seed < 0:
-        raise UserError("threads must be >= 1, --slow-ms and --seed >= 0")
+    if wl.threads < 1 or wl.slow_factor < 1 or wl.seed < 0:
+        raise UserError("threads and --slow-factor must be >= 1 and --seed >= 0")
     if not 0 <= opts.seed < 2**32:
         raise UserError(f"--seed must be in [0, 2^32), got {opts.seed}")
     for name, port in (("--metrics-port", opts.metrics_port), ("--rank-metrics-port", opts.rank_metrics_port),
@@ -151,7 +151,7 @@ def _ints(opts: RunOptions, wl: WorkloadOptions) -> None:
     for owner, names in ((opts, ("budget", "seed", "micro_min", "micro_max", "gas_min", "gas_max",
                                  "bucket_min", "bucket_max")),
                          (wl, ("pipeline_stages", "data_parallel_size", "steps", "warmup_steps",
-                               "activation_checkpoint_interval", "threads", "seed", "slow_ms"))):
+                               "activation_checkpoint_interval", "threads", "seed", "slow_factor"))):
         for name in names:
             v = getattr(owner, name)
             if isinstance(v, bool) or not isinstance(v, int):

@@ -64,7 +64,7 @@ class WorkloadOptions:
     activation_checkpoint_interval: int = 0
     tokens: str | None = None
     slow_stage: int | None = None
-    slow_ms: int = 0
+    slow_factor: int = 1
     threads: int = 1
     seed: int = 1234
     job: str = "autotune"
@@ -94,7 +94,7 @@ class WorkloadOptions:
         if self.tokens:
             args += ["--tokens", self.tokens]
         if self.slow_stage is not None:
-            args += ["--slow-stage", str(self.slow_stage), "--slow-ms", str(self.slow_ms)]
+            args += ["--slow-stage", str(self.slow_stage), "--slow-factor", str(self.slow_factor)]
         if self.metrics_port is not None:
             args += ["--metrics-port", str(self.metrics_port), "--metrics-addr", self.metrics_addr]
         fault = self.fault_for(trial)

@@ -8,34 +8,24 @@ from launch_helpers import pipeline_config, run_ranks
 pytestmark = pytest.mark.slow
 
 SLOW = ["--partition-method", "uniform", "--slow-stage", "1"]
-DELAY_MS = 20
+
+
+def stage_ratio(summary) -> float:
+    return summary.stage_compute_seconds[1] / summary.stage_compute_seconds[0]
 
 
 def test_injected_slow_stage_shows_as_imbalance_and_waiting(tmp_path):
-    """Every layer call on stage 1 gets 20 ms more: the probe charges exactly that to stage 1.
-
-    The injected time is known (layers on stage 1 x micro-batches x forward and
-    backward x delay), so the added stage-1 compute is checked against it, not
-    against a ratio that the unslowed parts of the stage would blur.
-    """
-    from deepspeed.runtime.utils import partition_uniform
-
-    micro, gas = 8, 4
-    cfg = pipeline_config(micro, gas)
-    _, base, rc0 = run_ranks(tmp_path / "base", cfg, extra=[*SLOW, "--slow-ms", "0"], steps=8)
-    _, slow, rc1 = run_ranks(tmp_path / "slow", cfg, extra=[*SLOW, "--slow-ms", str(DELAY_MS)], steps=8)
+    """Stage 1 made 3x slower: its compute share grows 3x (within 15 %), stage 0 waits more."""
+    cfg = pipeline_config(8, 4)
+    _, base, rc0 = run_ranks(tmp_path / "base", cfg, extra=[*SLOW, "--slow-factor", "1"], steps=8)
+    _, slow, rc1 = run_ranks(tmp_path / "slow", cfg, extra=[*SLOW, "--slow-factor", "3"], steps=8)
     assert rc0 == rc1 == 0
-    bounds = partition_uniform(num_items=8 + 2, num_parts=2)  # small preset: embedding, 8 layers, head
-    layers_on_stage1 = bounds[2] - bounds[1]
-    injected = layers_on_stage1 * gas * 2 * DELAY_MS / 1000  # seconds per step
-    added = slow.stage_compute_seconds[1] - base.stage_compute_seconds[1]
-    assert added == pytest.approx(injected, rel=0.15), (added, injected)
-    # stage 0 is untouched: its compute barely moves, while it waits for stage 1
-    assert abs(slow.stage_compute_seconds[0] - base.stage_compute_seconds[0]) < 0.15 * injected
+    measured = stage_ratio(slow) / stage_ratio(base)
+    assert measured == pytest.approx(3.0, rel=0.15)
     assert slow.slowest_stage == 1
     assert slow.stage_compute_imbalance > base.stage_compute_imbalance
     wait0 = lambda s: next(r for r in s.ranks if r.stage == 0).wait_seconds_mean  # noqa: E731
-    assert wait0(slow) - wait0(base) > 0.5 * injected
+    assert wait0(slow) > 2 * wait0(base)
 
 
 def test_balanced_bubble_tracks_the_ideal(tmp_path):

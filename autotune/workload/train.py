@@ -39,7 +39,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--activation-checkpoint-interval", type=int, default=0)
     p.add_argument("--tokens", default=None, help="token file (.npy, .bin uint16, or raw bytes)")
     p.add_argument("--slow-stage", type=int, default=None)
-    p.add_argument("--slow-ms", type=int, default=0)
+    p.add_argument("--slow-factor", type=int, default=1)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank (CPU)")
     p.add_argument("--fault", default=None, help=argparse.SUPPRESS)  # test-only fault injection
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     module = build_pipeline_module(
         preset, stages=args.stages, partition_method=args.partition_method,
         activation_checkpoint_interval=args.activation_checkpoint_interval,
-        slow_stage=args.slow_stage, slow_ms=args.slow_ms, seed=args.seed,
+        slow_stage=args.slow_stage, slow_factor=args.slow_factor, seed=args.seed,
     )
     with open(args.ds_config, encoding="utf-8") as fh:
         ds_config = json.load(fh)
