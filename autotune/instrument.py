@@ -75,6 +75,7 @@ class PipelineProbe:
         self.step = 0
         self.host = socket.gethostname()
         self._installed = False
+        self._previous_map: dict | None = None
 
     # -- installation -------------------------------------------------------
     def install(self) -> PipelineProbe:
@@ -82,7 +83,9 @@ class PipelineProbe:
             return self
         eng = self.engine
         timed = {}
-        for instr_cls, fn in type(eng)._INSTRUCTION_MAP.items():
+        # An instance map another tool already installed is kept underneath ours.
+        self._previous_map = eng.__dict__.get("_INSTRUCTION_MAP")
+        for instr_cls, fn in eng._INSTRUCTION_MAP.items():
             category = INSTRUCTION_CATEGORY.get(instr_cls.__name__)
             timed[instr_cls] = fn if category is None else self._wrap(fn, category)
         eng._INSTRUCTION_MAP = timed  # instance attribute shadows the class map
@@ -100,9 +103,13 @@ class PipelineProbe:
         """Give the engine back its own instruction map and train_batch (overhead benchmark)."""
         if not self._installed:
             return
-        del self.engine._INSTRUCTION_MAP
+        if self._previous_map is None:
+            del self.engine._INSTRUCTION_MAP
+        else:
+            self.engine._INSTRUCTION_MAP = self._previous_map
         self.engine.train_batch = self._inner_train_batch
         self._installed = False
+        self._previous_map: dict | None = None
 
     def _wrap(self, fn: Callable, category: str) -> Callable:
         timer = self.timer

@@ -7,8 +7,6 @@ tensors (hidden states) because DeepSpeed's p2p layer sends tensors.
 
 from __future__ import annotations
 
-import time
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -87,48 +85,12 @@ class LMHeadPipe(nn.Module):
         return self.head(self.norm(x))
 
 
-def _busy_wait(seconds: float) -> None:
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        pass
-
-
-class Slowed(nn.Module):
-    """Makes a layer's forward and backward take `factor` times their measured time.
-
-    After the real work it keeps the CPU busy for (factor - 1) x what the work
-    took, timed on each call, so the stage is slower by a known factor whatever
-    the machine. Output and gradients are unchanged. Used by the signal
-    ground-truth tests (--slow-stage / --slow-factor).
-    """
-
-    def __init__(self, layer: nn.Module, factor: float) -> None:
-        super().__init__()
-        self.layer, self.factor = layer, factor
-        self._backward_started = 0.0
-        self.register_full_backward_pre_hook(self._backward_start)
-        self.register_full_backward_hook(self._backward_end)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        start = time.perf_counter()
-        out = self.layer(x)
-        _busy_wait((self.factor - 1) * (time.perf_counter() - start))
-        return out
-
-    def _backward_start(self, module: nn.Module, grad_output: object) -> None:
-        self._backward_started = time.perf_counter()
-
-    def _backward_end(self, module: nn.Module, grad_input: object, grad_output: object) -> None:
-        _busy_wait((self.factor - 1) * (time.perf_counter() - self._backward_started))
-
-
 def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1))
 
 
 def build_pipeline_module(preset: ModelPreset, *, stages: int, partition_method: str = "parameters",
-                          activation_checkpoint_interval: int = 0, slow_stage: int | None = None,
-                          slow_factor: int = 1, seed: int = 1234):
+                          activation_checkpoint_interval: int = 0, seed: int = 1234):
     """A deepspeed.pipe.PipelineModule of the preset (deepspeed.comm must be initialized)."""
     from deepspeed.pipe import LayerSpec, PipelineModule
 
@@ -141,8 +103,4 @@ def build_pipeline_module(preset: ModelPreset, *, stages: int, partition_method:
         activation_checkpoint_interval=activation_checkpoint_interval,
         base_seed=seed,
     )
-    if slow_stage is not None and module.stage_id == slow_stage:  # factor 1: same hooks, no wait
-        # forward_funcs holds this stage's layers in order; wrapping keeps parameters shared.
-        module.forward_funcs = [Slowed(f, slow_factor) if isinstance(f, nn.Module) else f
-                                for f in module.forward_funcs]
     return module

@@ -40,6 +40,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tokens", default=None, help="token file (.npy, .bin uint16, or raw bytes)")
     p.add_argument("--slow-stage", type=int, default=None)
     p.add_argument("--slow-factor", type=int, default=1)
+    p.add_argument("--slow-every", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank (CPU)")
     p.add_argument("--fault", default=None, help=argparse.SUPPRESS)  # test-only fault injection
@@ -61,14 +62,14 @@ def main(argv: list[str] | None = None) -> int:
     from autotune.workload.data import batches, load_token_file, synthetic_tokens
     from autotune.workload.model import build_pipeline_module
     from autotune.workload.presets import get_preset
+    from autotune.workload.slowdown import stretch_compute
 
     preset = get_preset(args.preset)
     deepspeed.init_distributed()
     torch.manual_seed(args.seed)
     module = build_pipeline_module(
         preset, stages=args.stages, partition_method=args.partition_method,
-        activation_checkpoint_interval=args.activation_checkpoint_interval,
-        slow_stage=args.slow_stage, slow_factor=args.slow_factor, seed=args.seed,
+        activation_checkpoint_interval=args.activation_checkpoint_interval, seed=args.seed,
     )
     with open(args.ds_config, encoding="utf-8") as fh:
         ds_config = json.load(fh)
@@ -77,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
         config=ds_config,
     )
     rank = engine.global_rank
+    if args.slow_stage is not None and engine.stage_id == args.slow_stage:
+        stretch_compute(engine, args.slow_factor, args.slow_every)  # before instrument(): the probe times it
     probe = instrument(engine, csv_path=args.metrics_csv, metrics_port=args.metrics_port,
                        metrics_addr=args.metrics_addr, trial=args.trial, job=args.job,
                        warmup_steps=args.warmup_steps, seq_length=preset.seq_length)
