@@ -51,7 +51,8 @@ CREATE TABLE IF NOT EXISTS trials (
     started REAL NOT NULL,
     finished REAL,
     wall_seconds REAL,
-    pgid INTEGER
+    pgid INTEGER,
+    master_port INTEGER
 );
 """
 
@@ -73,6 +74,8 @@ class TrialRow:
     finished: float | None
     wall_seconds: float | None
     pgid: int | None
+    master_port: int | None = None
+    """The trial's torch.distributed port: names the /dev/shm buffers its ranks leave behind."""
     repeats: int = 1
     """How many successful trials ran this configuration (set by Study.best)."""
 
@@ -191,7 +194,15 @@ class Study:
         except StudyError:
             conn.close()
             raise
+        study._add_missing_columns()
         return study
+
+    def _add_missing_columns(self) -> None:
+        """Studies written before `master_port` existed gain the column (format unchanged)."""
+        have = {r[1] for r in self._db.execute("PRAGMA table_info(trials)")}
+        if "master_port" not in have:
+            with self._db:
+                self._db.execute("ALTER TABLE trials ADD COLUMN master_port INTEGER")
 
     def _init(self, meta: dict[str, Any]) -> None:
         with self._db:
@@ -234,9 +245,11 @@ class Study:
             )
         return int(cur.lastrowid)
 
-    def set_pgid(self, trial_id: int, pgid: int | None) -> None:
+    def set_launch(self, trial_id: int, pgid: int | None, master_port: int | None) -> None:
+        """What a later controller needs to clean up after this trial if this one dies."""
         with self._db:
-            self._db.execute("UPDATE trials SET pgid = ? WHERE id = ?", (pgid, trial_id))
+            self._db.execute("UPDATE trials SET pgid = ?, master_port = ? WHERE id = ?",
+                             (pgid, master_port, trial_id))
 
     def finish_trial(self, trial_id: int, *, status: str, samples_per_second: float | None,
                      failure_reason: str | None, failure_detail: str | None,
@@ -271,7 +284,7 @@ class Study:
         rows = self._db.execute(
             "SELECT id, number, status, source, reason, micro_batch_size, gradient_accumulation_steps,"
             " reduce_bucket_size, samples_per_second, failure_reason, failure_detail, summary_json,"
-            " rules_fired, started, finished, wall_seconds, pgid FROM trials ORDER BY id"
+            " rules_fired, started, finished, wall_seconds, pgid, master_port FROM trials ORDER BY id"
         ).fetchall()
         return [
             TrialRow(id=r[0], number=r[1], status=r[2], source=r[3], reason=r[4],
@@ -280,7 +293,7 @@ class Study:
                      samples_per_second=r[8], failure_reason=r[9], failure_detail=r[10],
                      summary=json.loads(r[11]) if r[11] else None,
                      rules_fired=json.loads(r[12]) if r[12] else [], started=r[13],
-                     finished=r[14], wall_seconds=r[15], pgid=r[16])
+                     finished=r[14], wall_seconds=r[15], pgid=r[16], master_port=r[17])
             for r in rows
         ]
 

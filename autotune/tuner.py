@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from autotune.display import ProgressDisplay
-from autotune.launcher import stop_leftovers
+from autotune.launcher import remove_shm_buffers, stop_leftovers
 from autotune.proposers.base import STATUS_FAILED, STATUS_OK, Proposal, Proposer, TrialResult
 from autotune.report import write_outputs
 from autotune.space import SearchSpace, TrialConfig
@@ -118,6 +118,8 @@ class Tuner:
             found = stop_leftovers(t.pgid, self._marker(t.number))
             if found:
                 self.display.note(f"stopped {found} leftover process(es) of interrupted trial {t.number}")
+            if t.master_port is not None:  # the dead controller never removed its ranks' buffers
+                remove_shm_buffers(t.master_port)
         finished = self.study.counted()
         for t in finished:
             self.proposer.tell(t.config, _result_from_row(t))
@@ -155,7 +157,7 @@ class Tuner:
             self.exporter.trial_started(number, cfg)
 
         def record_group(proc: Any) -> None:
-            self.study.set_pgid(trial_id, proc.pgid)
+            self.study.set_launch(trial_id, proc.pgid, proc.master_port)
             crash_point("during-trial", number)
 
         with self.display.running(number, cfg, proposal.source):

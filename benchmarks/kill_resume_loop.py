@@ -5,7 +5,8 @@ it (a resume after the first round), SIGKILLs the controller after a random
 delay, and checks: every trial number counted at most once, nothing left
 `running` that a resume would not fix, summary.json whole. A last run without a
 kill must end with exactly `--budget` counted trials (numbers 0..budget-1, each
-once) and no process of any round left alive.
+once), no process of any round left alive, and no DeepSpeed /dev/shm buffer of
+any trial left behind.
 
     .venv/bin/python benchmarks/kill_resume_loop.py --kills 10 --budget 4 --seed 1
 """
@@ -135,6 +136,17 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if failures else 0
 
 
+SHM = Path("/dev/shm")
+
+
+def ports(study: Path) -> set[int]:
+    db = sqlite3.connect(study / "study.db", timeout=30)
+    try:
+        return {r[0] for r in db.execute("SELECT master_port FROM trials WHERE master_port IS NOT NULL")}
+    finally:
+        db.close()
+
+
 def check_final(study: Path, budget: int, pgids: set[int]) -> list[str]:
     problems = check(study)
     rs = rows(study)
@@ -146,6 +158,9 @@ def check_final(study: Path, budget: int, pgids: set[int]) -> list[str]:
     alive = [g for g in pgids if group_alive(g) and processes_with(str(study.resolve()))]
     if alive or processes_with(str(study.resolve())):
         problems.append(f"processes of the study still alive (groups {alive})")
+    leaked = [f.name for port in ports(study) for f in SHM.glob(f"deepspeed_allreduce_buffer_*_{port}_*")]
+    if leaked:
+        problems.append(f"{len(leaked)} DeepSpeed /dev/shm buffers of the study's trials left: {leaked[:3]}")
     summary = json.loads((study / "summary.json").read_text())
     if summary["counted_trials"] != budget:
         problems.append(f"summary.json counts {summary['counted_trials']} trials")

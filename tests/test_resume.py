@@ -52,6 +52,19 @@ def check_consistent(study: Path, *, current: bool = True) -> dict:
     return summary
 
 
+def master_port(study: Path, number: int) -> int | None:
+    db = sqlite3.connect(study / "study.db")
+    try:
+        row = db.execute("SELECT master_port FROM trials WHERE number = ? ORDER BY id LIMIT 1", (number,)).fetchone()
+        return row[0] if row else None
+    finally:
+        db.close()
+
+
+def shm_buffers(port: int) -> list[Path]:
+    return list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"))
+
+
 def test_controller_killed_at_several_points_resumes_to_the_budget(tmp_path):
     cfg = write_config(tmp_path)
     study = tmp_path / "st"
@@ -60,6 +73,8 @@ def test_controller_killed_at_several_points_resumes_to_the_budget(tmp_path):
     # 1. a real SIGKILL at a random moment while trial 1 runs: its ranks are orphaned
     proc = start_cli(*args, cwd=tmp_path)
     row = wait_for(lambda: running_with_pgid(study, 1), timeout=600)
+    port = master_port(study, 1)
+    wait_for(lambda: shm_buffers(port), timeout=300)  # DeepSpeed's CPU comm buffers now exist
     time.sleep(random.uniform(0.0, 3.0))
     proc.kill()
     proc.wait()
@@ -73,6 +88,7 @@ def test_controller_killed_at_several_points_resumes_to_the_budget(tmp_path):
     assert proc.returncode == 99, out[-3000:]
     assert "stopped" in out or not group_alive(orphan_pgid)
     assert not group_alive(orphan_pgid)  # the old run's ranks were stopped by the stored group id
+    assert shm_buffers(port) == []  # and their /dev/shm buffers removed by the stored port
     rs = rows(study)
     assert [(r[0], r[1]) for r in rs] == [(0, "ok"), (1, "interrupted"), (1, "ok")], rs
 

@@ -83,3 +83,21 @@ def test_best_is_judged_by_the_mean_of_repeated_measurements(tmp_path):
                    summary=None, rules_fired=[], wall_seconds=1.0)
     best = s.best()
     assert best.config == CFG and best.samples_per_second == 9.0 and best.repeats == 2 and best.number == 2
+
+
+def test_launch_facts_survive_and_older_studies_gain_the_column(tmp_path):
+    s = Study.open(tmp_path / "st", create=True)
+    t = s.start_trial(0, CFG, "baseline", "")
+    s.set_launch(t, 4321, 29517)
+    s.close()
+    # a study written before master_port existed: drop the column as an older autotune had it
+    db = sqlite3.connect(tmp_path / "st" / "study.db")
+    db.execute("ALTER TABLE trials DROP COLUMN master_port")
+    db.commit()
+    db.close()
+    s = Study.open(tmp_path / "st", create=False)
+    row = s.trials()[0]
+    assert (row.pgid, row.master_port) == (4321, None)
+    s.set_launch(row.id, 4321, 29518)
+    assert s.trials()[0].master_port == 29518
+    s.close()
