@@ -218,14 +218,14 @@ def demo(seconds: float):
     sys.path.insert(0, str(ROOT / "tests"))
     sys.path.insert(0, str(ROOT))
     from prom_helpers import prometheus_server
-    from test_live_prometheus import ALERTS, Feed
+    from test_live_prometheus import ALERTS, Feed, wait_for_history
 
     @contextlib.contextmanager
     def run():
         feed = Feed()
         try:
             with prometheus_server(feed.targets, rule_files=[ALERTS]) as prom:
-                time.sleep(seconds)
+                wait_for_history(prom, seconds)
                 yield prom.url
         finally:
             feed.close()

@@ -165,14 +165,22 @@ class Feed:
             e.close()
 
 
+def wait_for_history(prom: Prom, seconds: float) -> None:
+    """Every target scraped and every rank series present, then `seconds` more of history
+    (rate() windows, a few rule evaluations): a slow start-up never shortens the history."""
+    prom.wait_until(prom.targets_up, what="all targets up")
+    prom.wait_until(lambda: len(prom.query("autotune_steps_total")) == 8, what="8 rank series")
+    time.sleep(seconds)
+    prom.wait_until(lambda: (got := prom.query("min(count_over_time(autotune_steps_total[1m]))"))
+                    and float(got[0]["value"][1]) >= 3, what="3 scrapes of every rank")
+
+
 @pytest.fixture(scope="module")
 def live() -> Iterator[Prom]:
     feed = Feed()
     try:
         with prometheus_server(feed.targets, rule_files=[ALERTS]) as prom:
-            prom.wait_until(prom.targets_up, what="all targets up")
-            prom.wait_until(lambda: len(prom.query("autotune_steps_total")) == 8, what="8 rank series")
-            time.sleep(6)  # rate() windows and a few rule evaluations
+            wait_for_history(prom, seconds=6)
             yield prom
     finally:
         feed.close()
