@@ -48,7 +48,12 @@ def live_job(tmp_path_factory):
                 return len(ranks) == 4 and len(history) >= 1
 
             prom.wait_until(trial1_running, timeout=600, what="trial 1 running with 4 rank series")
-            time.sleep(4)  # rate() windows and rule evaluations over trial 1
+            def trial1_history() -> bool:
+                got = prom.query(f'min(count_over_time(autotune_steps_total{{job="{JOB}",trial="1"}}[1m]))')
+                return bool(got) and float(got[0]["value"][1]) >= 4
+
+            prom.wait_until(trial1_history, timeout=120, what="4 scrapes of every rank in trial 1")
+            time.sleep(2)  # rule evaluations over that history
             yield prom, proc, work
     finally:
         proc.wait(timeout=600)
