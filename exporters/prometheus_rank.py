@@ -43,6 +43,8 @@ DEFAULT_RANK_BASE_PORT = 9710
 LABEL_NAMES = ("job", "trial", "rank", "stage", "device", "host")
 DEFAULT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 """Step-time histogram bounds in seconds (CPU toy steps to large-model steps)."""
+MIN_RENDER_INTERVAL = 0.25
+"""Seconds: a scrape may see a rendering this much older than the last step (fast steps only)."""
 DEFAULT_WINDOW = 20
 """Fluctuation window: the last N measured (non-warm-up) steps."""
 
@@ -74,6 +76,8 @@ class RankExporter:
         self._window: deque[float] = deque(maxlen=max(2, window))
         self._bucket_counts = [0] * (len(self._bounds) + 1)
         self._hist_sum = 0.0
+        self._version = 0  # bumped by write(): the endpoint renders once per version
+        self._owns_registry = registry is None
         self.endpoint: Endpoint | None = None
         self.registry.register(self)
 
@@ -81,6 +85,7 @@ class RankExporter:
     def write(self, record: StepRecord) -> None:
         """Take one step's record (called by the training thread; O(buckets))."""
         with self._lock:
+            self._version += 1
             last = self._snap.last
             if last is not None and (last.trial != record.trial or last.rank != record.rank):
                 self._reset()
@@ -127,7 +132,10 @@ class RankExporter:
         stride = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
         self.endpoint = serve_registry(
             self.registry, addr=addr, port=base_port + local_rank if port is None else port,
-            stride=stride, tries=tries, what="metrics")
+            stride=stride, tries=tries, what="metrics",
+            # a shared registry holds collectors whose changes we cannot see: render every scrape
+            version=(lambda: self._version) if self._owns_registry else None,
+            min_render_interval=MIN_RENDER_INTERVAL)
         return self.endpoint.url if self.endpoint else None
 
     # --- collector -------------------------------------------------------------------------
