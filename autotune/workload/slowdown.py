@@ -12,6 +12,8 @@ Applied through the engine's instance instruction map, before `instrument()`,
 so the probe times the stretched instructions exactly as it times real ones.
 With `every=2` only even steps are stretched: a test can then compare slow and
 normal steps of one run, so drift between runs on a shared machine cancels.
+On a GPU an instruction returns before its kernels finish, so there the factor
+stretches host time only: a CPU ground-truth tool, not a GPU one.
 """
 
 from __future__ import annotations
