@@ -206,10 +206,13 @@ def _acting_bucket(engine: Any, dp: int) -> int | None:
 
 def instrument(engine: Any, *, csv_path: str | None = None, metrics_port: int | None = None,
                metrics_addr: str = "127.0.0.1", trial: int = -1, job: str = "autotune",
-               warmup_steps: int = 1, seq_length: int = 0) -> PipelineProbe:
+               warmup_steps: int = 1, seq_length: int = 0, metrics_in_process: bool = False) -> PipelineProbe:
     """One-liner for any training script: time the engine, write a CSV and/or serve Prometheus.
 
-    `metrics_port` is the base port; each rank serves on base + local rank.
+    `metrics_port` is the base port; each rank serves on base + local rank. The
+    endpoint runs in a child process fed through a pipe (exporters/sidecar.py), so
+    scrapes cost the training process no GIL time; `metrics_in_process=True`
+    serves from a thread of this process instead (no extra process).
     """
     import os
 
@@ -222,7 +225,10 @@ def instrument(engine: Any, *, csv_path: str | None = None, metrics_port: int | 
         sinks.append(CsvSink(path))
     device = _device_probe(engine)
     if metrics_port is not None:
-        from exporters.prometheus_rank import start_rank_exporter
+        if metrics_in_process:
+            from exporters.prometheus_rank import start_rank_exporter
+        else:  # default: HTTP served by a child process, off this process's GIL
+            from exporters.sidecar import start_sidecar_exporter as start_rank_exporter
 
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
         exporter = start_rank_exporter(

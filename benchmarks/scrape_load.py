@@ -1,19 +1,26 @@
 """Scrape load test: does serving /metrics to 50 concurrent scrapers slow a training rank?
 
 A CPU workload loop runs "training steps" (fixed numpy matmul work, one StepRecord
-written to a RankExporter per step) while 50 scraper threads in a *separate process*
-(as a Prometheus would be) GET the rank's endpoint for `--seconds`. Scraped and
-unscraped phases alternate (U S C U S C ...) so drift hits all; the report gives failed
-scrapes and the ratio of median step times (scraped / unscraped).
+written to the rank's exporter per step; by default the child-process endpoint that
+`instrument()` uses). 50 scraper threads in a *separate process* (as a
+Prometheus would be) GET the rank's endpoint. Three kinds of phase alternate in short
+slices, in a rotating order, so that the drift of a shared machine hits all alike:
 
-Phase C is the control: the same scrapers hit a decoy endpoint in another process
-that serves the rank's last exposition as fixed bytes. On a small machine the
-scrapers themselves take CPU from the training loop; C shows how much. S / C is
-the part the rank's own endpoint costs (its server thread, the GIL, rendering).
+- U, unscraped;
+- S, scraped: the scrapers hit the rank's endpoint;
+- C, control: the same scrapers hit a decoy endpoint in another process that serves the
+  rank's last exposition as fixed bytes. On a small machine the scrapers themselves
+  take CPU from the training loop; C shows how much, and S / C is the part the rank's
+  own endpoint costs (its server thread, the GIL, rendering).
+
+The scraper processes start once and are switched on and off between slices. The
+report gives failed scrapes, the median step time of each kind, the ratios, and the
+endpoint's CPU inside the training process per scrape.
 
     .venv/bin/python benchmarks/scrape_load.py                  # 50 scrapers, each every 1 s
     .venv/bin/python benchmarks/scrape_load.py --interval 0     # back-to-back stress
-    .venv/bin/python benchmarks/scrape_load.py --uncached       # render on every scrape, to compare
+    .venv/bin/python benchmarks/scrape_load.py --in-process     # endpoint in the training process
+    .venv/bin/python benchmarks/scrape_load.py --uncached       # ... and render on every scrape
     .venv/bin/python benchmarks/scrape_load.py --url http://127.0.0.1:9710/metrics  # a real rank
 
 With --url the workload is not run: only scrape counts, failures and latency are reported
@@ -42,20 +49,26 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from autotune.schema import StepRecord  # noqa: E402
 from exporters.prometheus_rank import RankExporter  # noqa: E402
+from exporters.sidecar import SidecarExporter  # noqa: E402
 
 
-def scraper_process(url: str, n: int, seconds: float, interval: float, out: mp.Queue) -> None:
-    """n threads GET url until `seconds` elapse; put (ok, failed, latencies) on out."""
+def scraper_process(url: str, n: int, interval: float, go, stop, out: mp.Queue) -> None:
+    """n threads GET url while `go` is set, until `stop`; put (ok, failed, latencies) on out."""
     ok, failed, lat = [0], [0], []
     lock = threading.Lock()
-    deadline = time.monotonic() + seconds
 
     def loop(offset: float) -> None:
-        next_t = time.monotonic() + offset
-        while time.monotonic() < deadline:
+        next_t = None
+        while not stop.is_set():
+            if not go.wait(0.05):
+                next_t = None  # paused: pace afresh when switched on again
+                continue
             if interval > 0:
+                next_t = time.monotonic() + offset if next_t is None else next_t
                 time.sleep(max(0.0, next_t - time.monotonic()))
                 next_t += interval
+                if not go.is_set():
+                    continue
             t0 = time.perf_counter()
             try:
                 with urllib.request.urlopen(url, timeout=5) as r:
@@ -121,36 +134,48 @@ def run_steps(exporter: RankExporter, seconds: float, size: int) -> list[float]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="50 concurrent scrapers vs an unscraped run")
     p.add_argument("--scrapers", type=int, default=50)
-    p.add_argument("--seconds", type=float, default=10.0)
+    p.add_argument("--seconds", type=float, default=10.0, help="scraped seconds in all (S phases)")
+    p.add_argument("--slice", type=float, default=1.0, help="seconds of one U, S or C phase")
     p.add_argument("--interval", type=float, default=1.0,
                    help="seconds between one scraper's requests (0 = back-to-back)")
-    p.add_argument("--rounds", type=int, default=2, help="U/S phase pairs")
     p.add_argument("--size", type=int, default=384,
-                   help="matmul size: 384 gives ~40 ms steps on one core, like a small pipeline stage")
+                   help="matmul size: 384 gives 25-40 ms steps on one core, like a small pipeline stage")
     p.add_argument("--url", help="scrape this endpoint instead (no workload)")
     p.add_argument("--uncached", action="store_true",
                    help="render on every scrape (a registry the exporter does not own), for comparison")
+    p.add_argument("--in-process", action="store_true",
+                   help="serve from a thread of the training process (RankExporter) instead of the "
+                        "child process `instrument()` uses by default (exporters/sidecar.py)")
     args = p.parse_args(argv)
     ctx = mp.get_context("spawn")
+    stop = ctx.Event()
 
-    def scrape_phase(url: str) -> tuple[ctx.Process, mp.Queue]:
-        q = ctx.Queue()
-        proc = ctx.Process(target=scraper_process,
-                           args=(url, args.scrapers, args.seconds + 1.0, args.interval, q))
+    def scrapers(url: str) -> tuple:
+        go, q = ctx.Event(), ctx.Queue()
+        proc = ctx.Process(target=scraper_process, args=(url, args.scrapers, args.interval, go, stop, q))
         proc.start()
-        return proc, q
+        return go, q, proc
+
+    def results(q: mp.Queue, proc) -> tuple[int, int, list[float]]:
+        got = q.get()
+        proc.join()
+        return got
 
     if args.url:
-        proc, q = scrape_phase(args.url)
-        ok, failed, lat = q.get()
-        proc.join()
-        _report_scrapes(ok, failed, lat)
-        return 0 if failed == 0 else 1
+        go, q, proc = scrapers(args.url)
+        go.set()
+        time.sleep(args.seconds)
+        stop.set()
+        _report_scrapes(*results(q, proc))
+        return 0
 
     from prometheus_client import CollectorRegistry
 
-    registry = CollectorRegistry() if args.uncached else None  # a shared registry: no render cache
-    exporter = RankExporter(labels={"job": "scrape-load"}, registry=registry)
+    if args.in_process or args.uncached:
+        registry = CollectorRegistry() if args.uncached else None  # a shared registry: no render cache
+        exporter = RankExporter(labels={"job": "scrape-load"}, registry=registry)
+    else:
+        exporter = SidecarExporter(labels={"job": "scrape-load"})
     url = exporter.serve(port=0)
     if url is None:
         return 1
@@ -161,43 +186,46 @@ def main(argv: list[str] | None = None) -> int:
     decoy = ctx.Process(target=decoy_process, args=(body, port_q), daemon=True)
     decoy.start()
     decoy_url = f"http://127.0.0.1:{port_q.get(timeout=30)}/metrics"
-    phases: dict[str, list[float]] = {"unscraped": [], "scraped": [], "control": []}
-    totals = {"scraped": [0, 0, []], "control": [0, 0, []]}
-    server_cpu = 0.0  # CPU seconds of this process outside the training thread while scraped
-    for i in range(args.rounds):
-        phases["unscraped"] += (u := run_steps(exporter, args.seconds, args.size))
-        medians = [f"unscraped {statistics.median(u) * 1e3:.2f} ms"]
-        for name, target in (("scraped", url), ("control", decoy_url)):
-            proc, q = scrape_phase(target)
-            time.sleep(0.5)  # let the scraper process start its threads
+    gates = {"scraped": scrapers(url), "control": scrapers(decoy_url)}
+    time.sleep(1.0)  # the scraper processes import and start their threads
+    steps: dict[str, list[float]] = {"unscraped": [], "scraped": [], "control": []}
+    server_cpu = 0.0  # CPU seconds of this process outside the training thread while scraped (>= 0)
+    orders = [("unscraped", "scraped", "control"), ("scraped", "control", "unscraped"),
+              ("control", "unscraped", "scraped")]
+    rounds = max(1, round(args.seconds / args.slice))
+    for i in range(rounds):
+        for kind in orders[i % 3]:
+            gate = gates.get(kind)
+            if gate is not None:
+                gate[0].set()
             cpu0, thread0 = time.process_time(), time.thread_time()
-            phases[name] += (st := run_steps(exporter, args.seconds, args.size))
-            if name == "scraped":
-                server_cpu += (time.process_time() - cpu0) - (time.thread_time() - thread0)
-            ok, failed, lat = q.get()
-            proc.join()
-            totals[name][0] += ok
-            totals[name][1] += failed
-            totals[name][2] += lat
-            medians.append(f"{name} {statistics.median(st) * 1e3:.2f} ms")
-        # Per-round medians show how much of the difference is machine noise.
-        print(f"round {i}: " + ", ".join(medians), flush=True)
+            steps[kind] += run_steps(exporter, args.slice, args.size)
+            if kind == "scraped":
+                server_cpu += max(0.0, (time.process_time() - cpu0) - (time.thread_time() - thread0))
+            if gate is not None:
+                gate[0].clear()
+    stop.set()
+    totals = {kind: results(q, proc) for kind, (_, q, proc) in gates.items()}
     decoy.terminate()
     exporter.close()
+    where = "child process" if isinstance(exporter, SidecarExporter) else (
+        "training process, render on every scrape" if args.uncached else "training process")
+    print(f"{rounds} rounds of U, S and C slices of {args.slice:g} s, {args.scrapers} scrapers "
+          f"each every {args.interval:g} s; rank endpoint served from the {where}")
     print("rank endpoint:    ", end="")
     _report_scrapes(*totals["scraped"])
     print("control endpoint: ", end="")
     _report_scrapes(*totals["control"])
-    mu, ms, mc = (statistics.median(phases[k]) for k in ("unscraped", "scraped", "control"))
-    print(f"steps: unscraped {len(phases['unscraped'])} median {mu * 1e3:.2f} ms | "
-          f"scraped {len(phases['scraped'])} median {ms * 1e3:.2f} ms | "
-          f"control {len(phases['control'])} median {mc * 1e3:.2f} ms")
+    mu, ms, mc = (statistics.median(steps[k]) for k in ("unscraped", "scraped", "control"))
+    print(f"steps: unscraped {len(steps['unscraped'])} median {mu * 1e3:.2f} ms | "
+          f"scraped {len(steps['scraped'])} median {ms * 1e3:.2f} ms | "
+          f"control {len(steps['control'])} median {mc * 1e3:.2f} ms")
     print(f"step-time ratio scraped/unscraped: {ms / mu:.4f} ({(ms / mu - 1) * 100:+.2f} %)")
     print(f"step-time ratio control/unscraped: {mc / mu:.4f} (the scrapers' own CPU on this machine)")
     print(f"step-time ratio scraped/control:   {ms / mc:.4f} (what the rank endpoint itself costs)")
     scrapes = totals["scraped"][0] + totals["scraped"][1]
     print(f"rank endpoint CPU in the training process: {server_cpu / max(1, scrapes) * 1e3:.3f} ms per scrape, "
-          f"{server_cpu / (args.rounds * args.seconds) * 100:.2f} % of a core")
+          f"{server_cpu / (rounds * args.slice) * 100:.2f} % of a core")
     return 0 if totals["scraped"][1] == 0 else 1
 
 
