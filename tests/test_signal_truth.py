@@ -38,10 +38,16 @@ def test_injected_slow_stage_shows_as_imbalance_and_waiting(tmp_path):
 
 
 def test_balanced_bubble_tracks_the_ideal(tmp_path):
-    """Measured idle share follows (p-1)/(m+p-1) as m grows."""
+    """Measured idle share follows (p-1)/(m+p-1) as m grows.
+
+    The ideal assumes equal stages: the uniform partition gives each stage 4 of the
+    8 layers (the default balances parameters, which leaves stage 0 ~15 % heavier on
+    the small preset and adds that imbalance to the bubble at m = 8).
+    """
     measured = {}
     for m in (1, 2, 8):
-        _, s, rc = run_ranks(tmp_path / f"m{m}", pipeline_config(4, m), steps=3)
+        _, s, rc = run_ranks(tmp_path / f"m{m}", pipeline_config(4, m), steps=6,
+                             extra=["--partition-method", "uniform"])
         assert rc == 0
         measured[m] = (s.bubble_fraction_measured, s.bubble_fraction_ideal)
     for got, ideal in measured.values():
