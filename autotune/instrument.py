@@ -109,7 +109,7 @@ class PipelineProbe:
             self.engine._INSTRUCTION_MAP = self._previous_map
         self.engine.train_batch = self._inner_train_batch
         self._installed = False
-        self._previous_map: dict | None = None
+        self._previous_map = None
 
     def _wrap(self, fn: Callable, category: str) -> Callable:
         timer = self.timer
@@ -225,13 +225,13 @@ def instrument(engine: Any, *, csv_path: str | None = None, metrics_port: int | 
         sinks.append(CsvSink(path))
     device = _device_probe(engine)
     if metrics_port is not None:
-        if metrics_in_process:
-            from exporters.prometheus_rank import start_rank_exporter
-        else:  # default: HTTP served by a child process, off this process's GIL
-            from exporters.sidecar import start_sidecar_exporter as start_rank_exporter
+        from exporters.prometheus_rank import start_rank_exporter
+        from exporters.sidecar import start_sidecar_exporter
 
+        # default: HTTP served by a child process, off this process's GIL
+        start = start_rank_exporter if metrics_in_process else start_sidecar_exporter
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        exporter = start_rank_exporter(
+        exporter = start(
             addr=metrics_addr, port=metrics_port + local_rank,
             labels={"job": job, "trial": str(trial), "rank": str(engine.global_rank),
                     "stage": str(engine.stage_id), "device": str(engine.device),

@@ -122,6 +122,11 @@ class TrialProcess:
 SHM_DIR = Path("/dev/shm")
 
 
+def shm_buffers(master_port: int, shm_dir: Path = SHM_DIR) -> list[Path]:
+    """The /dev/shm buffers DeepSpeed's CPU comm op created for the run on `master_port`."""
+    return list(shm_dir.glob(f"deepspeed_allreduce_buffer_*_{master_port}_*"))
+
+
 def remove_shm_buffers(master_port: int, shm_dir: Path = SHM_DIR) -> int:
     """Delete the shared-memory buffers DeepSpeed's CPU comm op leaves behind.
 
@@ -132,7 +137,7 @@ def remove_shm_buffers(master_port: int, shm_dir: Path = SHM_DIR) -> int:
     gigabytes of RAM-backed files. Only this trial's port is touched.
     """
     removed = 0
-    for f in shm_dir.glob(f"deepspeed_allreduce_buffer_*_{master_port}_*"):
+    for f in shm_buffers(master_port, shm_dir):
         try:
             f.unlink()
             removed += 1

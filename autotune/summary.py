@@ -105,7 +105,7 @@ class TrialSummary:
     transfer_compute_ratio: float | None
     """comm (sends + reductions, without waiting) / compute, worst rank."""
     bubble_fraction_measured: float
-    """Mean over ranks of the idle share 1 - compute / step (compare with the ideal)."""
+    """Mean over ranks of the idle share of the pipeline schedule (`bubble_fraction`; compare with the ideal)."""
     bubble_fraction_ideal: float
     stage_compute_imbalance: float
     """max / mean of per-stage mean forward+backward seconds (1.0 = balanced)."""

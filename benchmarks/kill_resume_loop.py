@@ -28,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from autotune.launcher import group_alive, processes_with  # noqa: E402
+from autotune.launcher import group_alive, processes_with, shm_buffers  # noqa: E402
 
 CONFIG = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4,
           "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}, "steps_per_print": 10**9}
@@ -136,9 +136,6 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if failures else 0
 
 
-SHM = Path("/dev/shm")
-
-
 def ports(study: Path) -> set[int]:
     db = sqlite3.connect(study / "study.db", timeout=30)
     try:
@@ -158,7 +155,7 @@ def check_final(study: Path, budget: int, pgids: set[int]) -> list[str]:
     alive = [g for g in pgids if group_alive(g) and processes_with(str(study.resolve()))]
     if alive or processes_with(str(study.resolve())):
         problems.append(f"processes of the study still alive (groups {alive})")
-    leaked = [f.name for port in ports(study) for f in SHM.glob(f"deepspeed_allreduce_buffer_*_{port}_*")]
+    leaked = [f.name for port in ports(study) for f in shm_buffers(port)]
     if leaked:
         problems.append(f"{len(leaked)} DeepSpeed /dev/shm buffers of the study's trials left: {leaked[:3]}")
     summary = json.loads((study / "summary.json").read_text())

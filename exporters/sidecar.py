@@ -24,7 +24,6 @@ import os
 import select
 import subprocess
 import sys
-import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -83,36 +82,25 @@ class SidecarExporter:
         return None
 
     def write(self, record: StepRecord) -> None:
-        """One step's record into the pipe; never blocks, never raises into training."""
+        """One step's record into the pipe; never blocks, never raises into training.
+
+        A pipe write of at most PIPE_BUF bytes is atomic: it lands whole or not at
+        all, so a line never arrives half-written (a record line is under 1 KB).
+        """
         if self._fd is None:
             return
         data = (json.dumps(dataclasses.asdict(record)) + "\n").encode()
+        if len(data) > select.PIPE_BUF:  # could land in pieces: not worth a stall
+            self.dropped += 1
+            return
         try:
-            written = os.write(self._fd, data)
+            os.write(self._fd, data)
         except BlockingIOError:
             self.dropped += 1  # the child is behind: the next record carries the state on
-            return
         except OSError as exc:
-            if exc.errno == errno.EPIPE:
-                warn("metrics endpoint process ended; training continues without live metrics")
-                self._fd = None
-                return
-            raise
-        if written < len(data):  # a partial line would corrupt the next one: finish it
-            self._finish(data[written:])
-
-    def _finish(self, rest: bytes) -> None:
-        deadline = time.monotonic() + 1.0
-        while rest and time.monotonic() < deadline:
-            try:
-                rest = rest[os.write(self._fd, rest):]
-            except BlockingIOError:
-                select.select([], [self._fd], [], 0.05)
-            except OSError:
-                self._fd = None
-                return
-        if rest:  # a stuck child: stop feeding it rather than send half a line
-            warn("metrics endpoint process is not reading; live metrics stop here")
+            if exc.errno != errno.EPIPE:
+                raise
+            warn("metrics endpoint process ended; training continues without live metrics")
             self._fd = None
 
     def close(self) -> None:

@@ -176,3 +176,12 @@ def prometheus_server(
             proc.wait()
         log.close()
         shutil.rmtree(work, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def taken_port() -> Iterator[int]:
+    """A 127.0.0.1 port another socket is listening on, for as long as the block runs."""
+    with socket.socket() as blocker:
+        blocker.bind(("127.0.0.1", 0))
+        blocker.listen()
+        yield blocker.getsockname()[1]

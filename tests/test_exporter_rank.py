@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
-import socket
 import threading
 import warnings
 
 import pytest
-from prom_helpers import scrape, synthetic_records
+from prom_helpers import scrape, synthetic_records, taken_port
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -162,10 +161,7 @@ def test_serve_prints_url_and_serves_parseable_text(capsys):
 
 def test_port_in_use_falls_back_with_a_warning(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    with socket.socket() as blocker:
-        blocker.bind(("127.0.0.1", 0))
-        blocker.listen()
-        taken = blocker.getsockname()[1]
+    with taken_port() as taken:
         exp = RankExporter(labels={"job": "t"})
         with pytest.warns(MetricsEndpointWarning, match=f"port {taken} .* in use"):
             url = exp.serve(port=taken)
@@ -177,10 +173,7 @@ def test_port_in_use_falls_back_with_a_warning(monkeypatch):
 
 
 def test_no_free_port_disables_endpoint_without_raising():
-    with socket.socket() as blocker:
-        blocker.bind(("127.0.0.1", 0))
-        blocker.listen()
-        taken = blocker.getsockname()[1]
+    with taken_port() as taken:
         exp = RankExporter(labels={"job": "t"})
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # even -W error must not crash training
@@ -205,10 +198,7 @@ def test_start_rank_exporter_serves_or_returns_none():
         assert exp is not None and exp.endpoint is not None
     finally:
         exp.close()
-    with socket.socket() as blocker:
-        blocker.bind(("127.0.0.1", 0))
-        blocker.listen()
-        taken = blocker.getsockname()[1]
+    with taken_port() as taken:
         with pytest.warns(MetricsEndpointWarning, match="in use"):
             exp = start_rank_exporter(port=taken, labels={"job": "t"})
         try:  # a taken port falls back instead of failing the rank

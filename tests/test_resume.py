@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from robust_helpers import FAST, alive_under, rows, start_cli, write_config
 
-from autotune.launcher import group_alive
+from autotune.launcher import group_alive, shm_buffers
 
 pytestmark = pytest.mark.slow
 
@@ -59,10 +59,6 @@ def master_port(study: Path, number: int) -> int | None:
         return row[0] if row else None
     finally:
         db.close()
-
-
-def shm_buffers(port: int) -> list[Path]:
-    return list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"))
 
 
 def test_controller_killed_at_several_points_resumes_to_the_budget(tmp_path):

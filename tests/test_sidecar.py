@@ -11,7 +11,7 @@ import time
 import warnings
 
 import pytest
-from prom_helpers import REPO, scrape, synthetic_records
+from prom_helpers import REPO, scrape, synthetic_records, taken_port
 from prometheus_client.parser import text_string_to_metric_families
 
 from exporters.endpoint import MetricsEndpointWarning
@@ -104,10 +104,7 @@ def test_a_dead_or_stuck_child_never_blocks_or_breaks_training():
 
 
 def test_no_port_means_no_endpoint_and_no_process_left():
-    with socket.socket() as blocker:
-        blocker.bind(("127.0.0.1", 0))
-        blocker.listen()
-        taken = blocker.getsockname()[1]
+    with taken_port() as taken:
         exp = SidecarExporter(labels={"job": "x"})
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
