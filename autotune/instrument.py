@@ -223,7 +223,7 @@ def instrument(engine: Any, *, csv_path: str | None = None, metrics_port: int | 
         rank = int(os.environ.get("RANK", engine.global_rank))
         path = csv_path.replace("{rank}", str(rank))
         sinks.append(CsvSink(path))
-    device = _device_probe(engine)
+    device = engine_device_probe(engine)
     if metrics_port is not None:
         from exporters.prometheus_rank import start_rank_exporter
         from exporters.sidecar import start_sidecar_exporter
@@ -243,7 +243,7 @@ def instrument(engine: Any, *, csv_path: str | None = None, metrics_port: int | 
                          seq_length=seq_length, device=device).install()
 
 
-def _device_probe(engine: Any) -> DeviceProbe | None:
+def engine_device_probe(engine: Any) -> DeviceProbe | None:
     """NVML + CUDA allocator on GPUs; None on CPU (busy fraction, no allocator)."""
     if getattr(getattr(engine, "device", None), "type", "cpu") != "cuda":
         return None

@@ -28,12 +28,14 @@ def main() -> int:
     ap.add_argument("--gas", type=int, default=8)
     ap.add_argument("--blocks", type=int, default=10, help="on/off block pairs")
     ap.add_argument("--steps-per-block", type=int, default=3)
+    ap.add_argument("--torch-adam", action="store_true",
+                    help="torch's Adam instead of DeepSpeed's (no JIT-compiled op on a fresh GPU machine)")
     args = ap.parse_args()
 
     import deepspeed
     import torch
 
-    from autotune.instrument import PipelineProbe
+    from autotune.instrument import PipelineProbe, engine_device_probe
     from autotune.workload.data import batches, synthetic_tokens
     from autotune.workload.model import build_pipeline_module
     from autotune.workload.presets import get_preset
@@ -43,11 +45,14 @@ def main() -> int:
     deepspeed.init_distributed()
     module = build_pipeline_module(preset, stages=args.stages)
     cfg = {"train_micro_batch_size_per_gpu": args.micro, "gradient_accumulation_steps": args.gas,
-           "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}, "steps_per_print": 10**9}
+           "optimizer": {"type": "Adam", "params": {"lr": 1e-3, **({"torch_adam": True} if args.torch_adam else {})}},
+           "steps_per_print": 10**9}
     engine, *_ = deepspeed.initialize(model=module, model_parameters=module.parameters(), config=cfg)
     data = batches(synthetic_tokens(preset.vocab_size, 100_000, seed=1), micro_batch=args.micro,
                    seq=preset.seq_length, seed=1 + engine.grid.get_data_parallel_rank())
-    probe = PipelineProbe(engine, sinks=[], seq_length=preset.seq_length)
+    # On a GPU the device probe (NVML samples, allocator stats) is part of the cost.
+    probe = PipelineProbe(engine, sinks=[], seq_length=preset.seq_length, device=engine_device_probe(engine))
+    cuda = engine.device.type == "cuda"
     for _ in range(2):  # warm-up
         engine.train_batch(data_iter=data)
 
@@ -59,6 +64,8 @@ def main() -> int:
         for _ in range(args.steps_per_block):
             t0 = time.perf_counter()
             engine.train_batch(data_iter=data)
+            if cuda:  # both arms wait for the device, as the probe does at step end
+                torch.cuda.synchronize()
             (on if instrumented else off).append(time.perf_counter() - t0)
         probe.uninstall()
 

@@ -1,0 +1,243 @@
+"""The CUDA paths on a real NVIDIA GPU: what CI (CPU only) can never run.
+
+Checks, each printed as one PASS/FAIL line with its figures:
+  event-timing    CudaEventTimer against a synchronized wall clock (and the host
+                  clock, which sees only kernel launches)
+  nvml            NvmlSampler: busy GPU reads high, idle GPU reads low; which NVML
+                  path answered (sample buffer or utilization rate)
+  fragmentation   cuda_memory_stats on a deliberately holed allocator; the probe's
+                  per-step peak reset
+  pipeline        one instrumented DeepSpeed pipeline run on this GPU (NCCL, 1 rank,
+                  1 stage): the CSV carries NVML utilization and allocator figures
+  overhead        benchmarks/instrumentation_overhead.py on this GPU, device probe on
+
+Not here: `autotune run` end to end, which needs 2 stages and so 2 GPUs (NCCL
+refuses two ranks on one device).
+
+Run (one NVIDIA GPU; DeepSpeed, scikit-optimize and nvidia-ml-py importable):
+    python benchmarks/gpu_check.py --out DIR
+Writes DIR/gpu_check.json and the runs' files. Exits 1 if a check failed.
+The optimizer is torch's Adam (`torch_adam`) so no DeepSpeed op is JIT-compiled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+RESULTS: dict[str, dict] = {}
+
+
+def check(name: str, ok: bool, **figures: object) -> None:
+    RESULTS[name] = {"ok": bool(ok), **figures}
+    shown = ", ".join(f"{k} {_fmt(v)}" for k, v in figures.items())
+    print(f"{'PASS' if ok else 'FAIL'} {name}: {shown}", flush=True)
+
+
+def _fmt(v: object) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+def matmuls(torch, x, n: int) -> None:
+    for _ in range(n):
+        x @ x  # noqa: B018 - the kernel is the point
+
+
+def check_event_timing(torch) -> None:
+    from autotune.timing import CudaEventTimer, HostTimer
+
+    x = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    matmuls(torch, x, 5)
+    torch.cuda.synchronize()
+    events, host = CudaEventTimer(), HostTimer()
+    t0 = time.perf_counter()
+    ev, ht = events.begin(), host.begin()
+    matmuls(torch, x, 40)
+    host.end(ht, "compute")
+    events.end(ev, "compute")
+    ev2 = events.begin()  # a second, interleaved category resolves separately
+    matmuls(torch, x, 10)
+    events.end(ev2, "optimizer")
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    got = events.collect()
+    host_s = host.collect()["compute"]
+    total = got["compute"] + got["optimizer"]
+    tflops = 40 * 2 * 8192**3 / got["compute"] / 1e12
+    check("event-timing", 0.9 < total / wall <= 1.02 and host_s < 0.5 * got["compute"]
+          and 3.0 < got["compute"] / got["optimizer"] < 5.0,
+          events_over_wall=total / wall, host_over_events=host_s / got["compute"],
+          compute_over_optimizer=got["compute"] / got["optimizer"], bf16_tflops=tflops)
+
+
+def check_nvml(torch) -> None:
+    from exporters.devices import NvmlSampler
+
+    sampler = NvmlSampler(0)
+    x = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    time.sleep(2.0)
+    idle = sampler.utilization(window=1.5)
+    end = time.perf_counter() + 3.0
+    while time.perf_counter() < end:
+        matmuls(torch, x, 20)
+        torch.cuda.synchronize()
+    busy_samples = sampler.samples(window=2.0)
+    busy = statistics.fmean(busy_samples) if busy_samples else None
+    torch.cuda.synchronize()
+    time.sleep(2.5)
+    after = sampler.utilization(window=1.5)
+    mem = sampler.memory()
+    path = "nvmlDeviceGetSamples" if sampler._samples_ok else "nvmlDeviceGetUtilizationRates"
+    sampler.close()
+    check("nvml", busy is not None and busy > 0.8 and after is not None and after < 0.3,
+          idle=idle, busy=busy, after_idle=after, busy_samples_in_2s=len(busy_samples),
+          path=path, used_gib=(mem.used_bytes / 2**30 if mem else None),
+          total_gib=(mem.total_bytes / 2**30 if mem else None))
+
+
+def check_fragmentation(torch) -> None:
+    from exporters.devices import cuda_memory_stats, make_device_probe
+
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    # 5 MiB blocks share the allocator's 20 MiB segments: freeing every other one
+    # leaves holes that stay reserved.
+    blocks = [torch.empty(5 * 2**20, dtype=torch.uint8, device="cuda") for _ in range(64)]
+    del blocks[::2]
+    stats = cuda_memory_stats("cuda:0")
+    direct = 1 - torch.cuda.memory_allocated() / torch.cuda.memory_reserved()
+    probe = make_device_probe("cuda:0")
+    big = torch.empty(512 * 2**20, dtype=torch.uint8, device="cuda")
+    del big
+    first = probe.memory()["peak_bytes"]
+    second = probe.memory()["peak_bytes"]
+    probe.close()
+    del blocks
+    torch.cuda.empty_cache()
+    emptied = cuda_memory_stats("cuda:0")
+    check("fragmentation",
+          stats["fragmentation_ratio"] is not None and abs(stats["fragmentation_ratio"] - direct) < 1e-9
+          and 0.3 < stats["fragmentation_ratio"] < 0.7 and stats["inactive_split_bytes"] > 0
+          and first >= 512 * 2**20 and second < 512 * 2**20
+          and emptied["reserved_bytes"] < stats["reserved_bytes"],
+          fragmentation=stats["fragmentation_ratio"], torch_direct=direct,
+          inactive_split_mib=stats["inactive_split_bytes"] / 2**20,
+          peak_after_512mib_mib=first / 2**20, peak_next_step_mib=second / 2**20,
+          reserved_mib=stats["reserved_bytes"] / 2**20,
+          reserved_after_empty_cache_mib=emptied["reserved_bytes"] / 2**20)
+
+
+def ds_config(path: Path, micro: int, gas: int) -> Path:
+    cfg = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": gas,
+           "train_batch_size": micro * gas, "steps_per_print": 10**9,
+           "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
+           "bf16": {"enabled": True}}
+    path.write_text(json.dumps(cfg))
+    return path
+
+
+def run(cmd: list[str], log: Path, timeout: float) -> int:
+    print("$ " + " ".join(cmd), flush=True)
+    with log.open("w") as fh:
+        try:
+            return subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, timeout=timeout,
+                                  cwd=ROOT).returncode
+        except subprocess.TimeoutExpired:
+            return 124
+
+
+def check_pipeline(out: Path, preset: str) -> None:
+    from autotune.launcher import free_port
+    from autotune.metrics_csv import read_metrics_csv
+    from autotune.summary import summarize_trial
+
+    d = out / "pipeline"
+    d.mkdir(exist_ok=True)
+    rc = run([sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "1", "--no_local_rank",
+              "--master_port", str(free_port()), str(ROOT / "autotune/workload/train.py"),
+              "--ds-config", str(ds_config(d / "ds_config.json", 8, 8)), "--preset", preset,
+              "--stages", "1", "--steps", "8", "--warmup-steps", "2",
+              "--metrics-csv", str(d / "metrics-rank{rank}.csv")], d / "launcher.log", 240)
+    records = read_metrics_csv(d / "metrics-rank0.csv") if (d / "metrics-rank0.csv").exists() else []
+    s = summarize_trial(records) if records else None
+    if rc != 0 or s is None:
+        check("pipeline", False, rc=rc, log=str(d / "launcher.log"))
+        return
+    measured = [r for r in records if not r.warmup]
+    busy = [min(1.0, r.compute_seconds / r.step_seconds) for r in measured]
+    check("pipeline",
+          all(r.device.startswith("cuda") for r in measured)
+          and all(r.memory_fragmentation_ratio is not None and r.memory_reserved_bytes for r in measured)
+          and all(r.compute_seconds <= r.step_seconds * 1.01 for r in measured)
+          and s.loss_last < s.loss_first,
+          device=measured[0].device, samples_per_second=s.samples_per_second,
+          nvml_utilization=s.device_utilization_mean, busy_fraction=statistics.fmean(busy),
+          fragmentation=s.memory_fragmentation_ratio, peak_mib=(s.memory_peak_bytes or 0) / 2**20,
+          reserved_mib=(s.memory_reserved_bytes or 0) / 2**20,
+          loss=f"{s.loss_first:.3f}->{s.loss_last:.3f}")
+
+
+def check_overhead(out: Path, preset: str) -> None:
+    from autotune.launcher import free_port
+
+    log = out / "overhead.log"
+    rc = run([sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "1", "--no_local_rank",
+              "--master_port", str(free_port()), str(ROOT / "benchmarks/instrumentation_overhead.py"),
+              "--preset", preset, "--stages", "1", "--micro", "8", "--gas", "8", "--blocks", "10",
+              "--torch-adam"], log, 240)
+    line = next((ln for ln in log.read_text().splitlines() if "ratio" in ln), "")
+    ratio = float(line.split("ratio", 1)[1].split()[0]) if line else None
+    check("overhead", rc == 0 and ratio is not None and ratio <= 1.02, rc=rc, ratio=ratio,
+          line=line.strip())
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="gpu-check")
+    ap.add_argument("--preset", default="small")
+    ap.add_argument("--only", default="", help="comma-separated check names")
+    args = ap.parse_args()
+    import torch
+
+    if not torch.cuda.is_available():
+        print("gpu_check: not available on CPU (no CUDA device); nothing measured")
+        return 0
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    print(f"device: {torch.cuda.get_device_name(0)}, torch {torch.__version__}", flush=True)
+    checks = {
+        "event-timing": lambda: check_event_timing(torch),
+        "nvml": lambda: check_nvml(torch),
+        "fragmentation": lambda: check_fragmentation(torch),
+        "pipeline": lambda: check_pipeline(out, args.preset),
+        "overhead": lambda: check_overhead(out, args.preset),
+    }
+    wanted = [c for c in args.only.split(",") if c] or list(checks)
+    for name in wanted:
+        t0 = time.perf_counter()
+        try:
+            checks[name]()
+        except Exception as exc:  # one broken path must not hide the others' figures
+            check(name, False, error=f"{type(exc).__name__}: {exc}")
+        RESULTS[name]["seconds"] = round(time.perf_counter() - t0, 1)
+        (out / "gpu_check.json").write_text(json.dumps(
+            {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+             "env": {k: os.environ.get(k) for k in ("CUDA_VISIBLE_DEVICES",)}, "checks": RESULTS},
+            indent=2))
+    failed = [n for n, r in RESULTS.items() if not r["ok"]]
+    print(f"{len(RESULTS) - len(failed)} of {len(RESULTS)} checks passed" + (f"; failed: {failed}" if failed else ""))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
