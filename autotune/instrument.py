@@ -153,6 +153,7 @@ class PipelineProbe:
         util = None
         if self.device is not None:
             util = self.device.utilization(step_seconds)
+        from_device = util is not None
         if util is None:  # busy fraction: the documented CPU definition
             util = min(1.0, compute / step_seconds) if step_seconds > 0 else 0.0
         mem = self.device.memory() if self.device is not None else None
@@ -178,7 +179,7 @@ class PipelineProbe:
             reduce_bucket_size=_acting_bucket(eng, dp), pipeline_stages=stages,
             data_parallel_size=dp, seq_length=self.seq_length,
             device=str(eng.device) if hasattr(eng, "device") else "cpu", host=self.host,
-            optimizer_seconds=optimizer,
+            optimizer_seconds=optimizer, utilization_from_device=int(from_device),
         )
 
 

@@ -75,6 +75,10 @@ class StepRecord:
     optimizer_seconds: float | None = None
     """OptimizerStep instruction time (already inside compute_seconds). Outside the
     pipeline schedule, so the bubble and stage balance leave it out."""
+    utilization_from_device: int | None = None
+    """1: device_utilization is the device's own counter (NVML: share of time a kernel
+    ran). 0: it is the busy fraction compute/step (CPU, or a GPU without NVML).
+    Empty in CSVs written before the column existed."""
 
 
 CSV_COLUMNS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(StepRecord))

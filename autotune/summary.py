@@ -54,6 +54,20 @@ def comm_compute_ratio(comm: float, wait: float, compute: float) -> float | None
     return (comm + wait) / compute
 
 
+def host_bound_fraction(utilization_mean: float, busy_fraction_mean: float) -> float | None:
+    """Share of instruction time in which the GPU ran no kernel: 1 - utilization / busy.
+
+    `utilization_mean` is the device's own counter (NVML: share of time a kernel ran),
+    `busy_fraction_mean` the share of the step inside timed instructions (compute/step,
+    CUDA events). Events span an instruction from its first to its last kernel, gaps
+    included, so when the host cannot launch kernels fast enough (small kernels, Python
+    overhead) busy stays near 1 while the GPU idles: the step is host-bound.
+    """
+    if busy_fraction_mean <= 0:
+        return None
+    return max(0.0, 1.0 - utilization_mean / busy_fraction_mean)
+
+
 @dataclass(kw_only=True, slots=True)
 class RankSummary:
     rank: int
@@ -72,6 +86,9 @@ class RankSummary:
     """Measured idle share: 1 - compute / step time (waiting, transfers, data loading)."""
     wait_fraction: float
     """The part of the step spent in receive instructions (waiting for the peer stage)."""
+    host_bound_fraction: float | None = None
+    """`host_bound_fraction` over the steps whose utilization came from the device
+    (NVML); None where none did (CPU: utilization is the busy fraction itself)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -118,6 +135,8 @@ class TrialSummary:
     loss_first: float | None
     loss_last: float | None
     ranks: list[RankSummary] = field(default_factory=list)
+    host_bound_fraction: float | None = None
+    """Worst rank's share of instruction time with no kernel running; None on CPU."""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -132,6 +151,11 @@ class TrialSummary:
             ranks.append(RankSummary(**r))
         d["ranks"] = ranks
         return cls(**d)
+
+
+def _busy(r: StepRecord) -> float:
+    """The CPU utilization definition: share of the step inside timed instructions."""
+    return min(1.0, r.compute_seconds / r.step_seconds) if r.step_seconds > 0 else 0.0
 
 
 def _quantile(vals: Sequence[float], q: float) -> float:
@@ -185,6 +209,7 @@ def summarize_trial(records: Sequence[StepRecord]) -> TrialSummary | None:
         wait = sum(r.wait_seconds for r in rows)
         total = sum(r.step_seconds for r in rows)
         utils = [r.device_utilization for r in rows]
+        dev = [r for r in rows if r.utilization_from_device == 1]
         ranks.append(RankSummary(
             rank=rank, stage=rows[0].stage, steps=len(rows),
             device_utilization_mean=statistics.fmean(utils),
@@ -195,6 +220,9 @@ def summarize_trial(records: Sequence[StepRecord]) -> TrialSummary | None:
             wait_seconds_mean=wait / len(rows),
             bubble_fraction=bubble_fraction(comp, total, opt),
             wait_fraction=wait / total if total > 0 else 0.0,
+            host_bound_fraction=host_bound_fraction(
+                statistics.fmean(r.device_utilization for r in dev),
+                statistics.fmean(_busy(r) for r in dev)) if dev else None,
         ))
 
     stage_comp: dict[int, list[float]] = defaultdict(list)
@@ -242,5 +270,5 @@ def summarize_trial(records: Sequence[StepRecord]) -> TrialSummary | None:
         memory_peak_bytes=_max_or_none(r.memory_peak_bytes for r in measured),
         memory_reserved_bytes=_max_or_none(r.memory_reserved_bytes for r in measured),
         loss_first=losses[0] if losses else None, loss_last=losses[-1] if losses else None,
-        ranks=ranks,
+        ranks=ranks, host_bound_fraction=_max_or_none(rs.host_bound_fraction for rs in ranks),
     )

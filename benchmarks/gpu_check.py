@@ -9,6 +9,8 @@ Checks, each printed as one PASS/FAIL line with its figures:
                   per-step peak reset
   pipeline        one instrumented DeepSpeed pipeline run on this GPU (NCCL, 1 rank,
                   1 stage): the CSV carries NVML utilization and allocator figures
+  advise          `autotune advise` on that CSV: the host-bound rule fires (the small
+                  model cannot keep an H200 busy), fragmentation is available
   overhead        benchmarks/instrumentation_overhead.py on this GPU, device probe on
 
 Not here: `autotune run` end to end, which needs 2 stages and so 2 GPUs (NCCL
@@ -179,12 +181,25 @@ def check_pipeline(out: Path, preset: str) -> None:
           all(r.device.startswith("cuda") for r in measured)
           and all(r.memory_fragmentation_ratio is not None and r.memory_reserved_bytes for r in measured)
           and all(r.compute_seconds <= r.step_seconds * 1.01 for r in measured)
+          and all(r.utilization_from_device == 1 for r in measured) and s.host_bound_fraction is not None
           and s.loss_last < s.loss_first,
           device=measured[0].device, samples_per_second=s.samples_per_second,
           nvml_utilization=s.device_utilization_mean, busy_fraction=statistics.fmean(busy),
+          host_bound_fraction=s.host_bound_fraction,
           fragmentation=s.memory_fragmentation_ratio, peak_mib=(s.memory_peak_bytes or 0) / 2**20,
           reserved_mib=(s.memory_reserved_bytes or 0) / 2**20,
           loss=f"{s.loss_first:.3f}->{s.loss_last:.3f}")
+
+
+def check_advise(out: Path) -> None:
+    csv_path = out / "pipeline" / "metrics-rank0.csv"
+    log = out / "advise.json"
+    rc = run([sys.executable, "-m", "autotune.cli", "advise", "--format", "json", str(csv_path)], log, 60)
+    findings = json.loads(log.read_text())["findings"] if rc == 0 else []
+    status = {f["rule_id"]: f["status"] for f in findings}
+    fired = sorted(r for r, st in status.items() if st == "fired")
+    check("advise", rc == 0 and "host-bound" in fired and status.get("fragmentation-high") != "insufficient_data",
+          rc=rc, fired=fired, statuses={r: status.get(r) for r in ("host-bound", "fragmentation-high")})
 
 
 def check_overhead(out: Path, preset: str) -> None:
@@ -220,6 +235,7 @@ def main() -> int:
         "nvml": lambda: check_nvml(torch),
         "fragmentation": lambda: check_fragmentation(torch),
         "pipeline": lambda: check_pipeline(out, args.preset),
+        "advise": lambda: check_advise(out),
         "overhead": lambda: check_overhead(out, args.preset),
     }
     wanted = [c for c in args.only.split(",") if c] or list(checks)

@@ -139,7 +139,8 @@ def test_columnar_summary_matches_reference(tmp_path_factory, seed, trials, rank
                                    device_utilization=rng.random(),
                                    memory_fragmentation_ratio=rng.random() / 10 if with_frag else None,
                                    loss=rng.random() if r == ranks - 1 else None,
-                                   memory_peak_bytes=rng.uniform(1e8, 1e9)))
+                                   memory_peak_bytes=rng.uniform(1e8, 1e9),
+                                   utilization_from_device=rng.choice([None, 0, 1] if with_frag else [None, 0])))
     f = tmp_path_factory.mktemp("m") / "m.csv"
     f.write_text(csv_text(recs))
     ref = summarize(read_metrics_csv(f))

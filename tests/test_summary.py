@@ -81,6 +81,23 @@ def test_fragmentation_not_available_on_cpu_is_none_not_zero():
     assert summarize_trial(rows).memory_fragmentation_ratio == pytest.approx(0.3)
 
 
+def test_host_bound_only_where_utilization_came_from_the_device():
+    # rank 0 on a GPU with NVML: instructions span 0.9 and 0.8 of the steps (busy 0.85),
+    # kernels ran 0.3 and 0.2 of the time (0.25): 1 - 0.25/0.85 of instruction time idle.
+    rows = [rec(rank=0, step=1, compute_seconds=0.9, device_utilization=0.3, utilization_from_device=1),
+            rec(rank=0, step=2, compute_seconds=0.8, device_utilization=0.2, utilization_from_device=1),
+            rec(rank=1, stage=1, step=1, compute_seconds=0.5, device_utilization=0.5, utilization_from_device=0),
+            rec(rank=1, stage=1, step=2, compute_seconds=0.5, device_utilization=0.5, utilization_from_device=0)]
+    s = summarize_trial(rows)
+    assert s.ranks[0].host_bound_fraction == pytest.approx(1 - 0.25 / 0.85)
+    assert s.ranks[1].host_bound_fraction is None  # busy fraction: nothing to compare with
+    assert s.host_bound_fraction == pytest.approx(1 - 0.25 / 0.85)
+    assert two_rank_trial().host_bound_fraction is None  # CPU (and older CSVs): not available
+    # kernels running the whole instruction time: not host-bound at all, never negative
+    busy_gpu = [rec(step=1, compute_seconds=0.5, device_utilization=0.7, utilization_from_device=1)]
+    assert summarize_trial(busy_gpu).host_bound_fraction == 0.0
+
+
 def test_loss_first_last_only_from_ranks_that_have_it():
     s = two_rank_trial()
     assert (s.loss_first, s.loss_last) == (3.0, 2.0)

@@ -20,6 +20,7 @@ METRIC_SIGNALS: frozenset[str] = frozenset({
     "bubble_fraction_measured", "bubble_fraction_ideal", "bubble_fraction_excess",
     "stage_compute_imbalance", "step_time_jitter", "samples_per_second",
     "memory_fragmentation_ratio", "memory_peak_bytes", "memory_used_ratio", "oom",
+    "host_bound_fraction",
 })
 # The batch layout: known from a trial's metrics or from a ds_config plus --stages/--world-size.
 LAYOUT_SIGNALS: frozenset[str] = frozenset({
@@ -34,6 +35,10 @@ CONFIG_SIGNALS: frozenset[str] = frozenset({
 })
 ALL_SIGNALS: frozenset[str] = METRIC_SIGNALS | LAYOUT_SIGNALS | CONFIG_SIGNALS
 
+HOST_BOUND_NOT_AVAILABLE = (
+    "not available: utilization in this input is the busy fraction (CPU, or a GPU without NVML), "
+    "so there is no kernel-time counter to compare with"
+)
 FRAGMENTATION_NOT_AVAILABLE = (
     "not available: no CUDA caching allocator in this input (CPU run), never reported as 0"
 )
@@ -115,6 +120,7 @@ def from_summary(s: TrialSummary, *, oom: bool | None = None,
         "memory_used_ratio": (s.memory_peak_bytes / device_memory_bytes
                               if s.memory_peak_bytes is not None and device_memory_bytes else None),
         "oom": None if oom is None else float(oom),
+        "host_bound_fraction": s.host_bound_fraction,
     }
     values.update(layout_values(s.micro_batch_size, s.gradient_accumulation_steps,
                                 s.pipeline_stages, s.data_parallel_size, s.reduce_bucket_size))
@@ -128,9 +134,12 @@ def from_summary(s: TrialSummary, *, oom: bool | None = None,
         "bubble_fraction_excess": [RankValue(r.bubble_fraction - s.bubble_fraction_ideal, r.rank, r.stage)
                                    for r in s.ranks],
         "stage_compute_imbalance": [RankValue(s.stage_compute_imbalance, None, s.slowest_stage)],
+        "host_bound_fraction": [RankValue(r.host_bound_fraction, r.rank, r.stage) for r in s.ranks
+                                if r.host_bound_fraction is not None],
     }
     unavailable = {
         "memory_fragmentation_ratio": FRAGMENTATION_NOT_AVAILABLE,
+        "host_bound_fraction": HOST_BOUND_NOT_AVAILABLE,
         "oom": "the metrics do not say whether a trial ran out of memory (autotune run does)",
         "memory_used_ratio": "device memory size unknown in a metrics CSV",
         "step_time_jitter": "needs at least two measured steps",

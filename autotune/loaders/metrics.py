@@ -19,7 +19,13 @@ import numpy as np
 from autotune.errors import InputFileError
 from autotune.loaders.detect import read_header
 from autotune.schema import CSV_COLUMNS, REQUIRED_COLUMNS, StepRecord
-from autotune.summary import RankSummary, TrialSummary, bubble_fraction, ideal_bubble_fraction
+from autotune.summary import (
+    RankSummary,
+    TrialSummary,
+    bubble_fraction,
+    host_bound_fraction,
+    ideal_bubble_fraction,
+)
 
 NUMERIC_COLUMNS = tuple(c for c in CSV_COLUMNS if c not in ("device", "host"))
 NEEDED_COLUMNS = tuple(
@@ -35,6 +41,7 @@ SUMMARY_COLUMNS = frozenset({
     "wait_seconds", "device_utilization", "memory_fragmentation_ratio", "loss", "micro_batch_size",
     "gradient_accumulation_steps", "reduce_bucket_size", "pipeline_stages", "data_parallel_size",
     "seq_length", "memory_peak_bytes", "memory_reserved_bytes", "optimizer_seconds",
+    "utilization_from_device",
 })
 """The columns summarize reads; the others are only validated."""
 
@@ -116,9 +123,11 @@ def _validate(path: str | Path, cols: Columns) -> None:
         if bad.any():
             raise InputFileError(f"{path}: line {int(np.argmax(bad)) + 2}: column {c} is empty or not a finite number")
     for c in INT_COLUMNS:
-        if (cols[c] != np.floor(cols[c])).any() or (cols[c] < 0).any():
-            line = int(np.argmax((cols[c] != np.floor(cols[c])) | (cols[c] < 0))) + 2
-            raise InputFileError(f"{path}: line {line}: column {c} must be a non-negative integer")
+        low = -1 if c == "trial" else 0  # trial -1: written outside a study (instrument()'s default)
+        bad = (cols[c] != np.floor(cols[c])) | (cols[c] < low)
+        if bad.any():
+            what = "an integer >= -1" if low else "a non-negative integer"
+            raise InputFileError(f"{path}: line {int(np.argmax(bad)) + 2}: column {c} must be {what}")
     for c in ("micro_batch_size", "gradient_accumulation_steps", "pipeline_stages", "data_parallel_size"):
         if (cols[c] < 1).any():
             raise InputFileError(f"{path}: line {int(np.argmax(cols[c] < 1)) + 2}: column {c} must be >= 1")
@@ -175,6 +184,13 @@ def _summarize_trial(c: Columns, source: str) -> TrialSummary | None:
     opt_col = np.nan_to_num(m["optimizer_seconds"]) if "optimizer_seconds" in m else np.zeros_like(m["step_seconds"])
     opt = np.bincount(rinv, weights=opt_col, minlength=len(n))
     rank_stage = m["stage"][r_first].astype(int)
+    # Host-bound share: only over steps whose utilization is the device's own counter.
+    dev = (m["utilization_from_device"] == 1) if "utilization_from_device" in m else np.zeros(len(rinv), bool)
+    busy = np.where(m["step_seconds"] > 0, np.minimum(1.0, m["compute_seconds"] / np.where(
+        m["step_seconds"] > 0, m["step_seconds"], 1.0)), 0.0)
+    n_dev = np.bincount(rinv, weights=dev, minlength=len(n))
+    util_dev = np.bincount(rinv, weights=m["device_utilization"] * dev, minlength=len(n))
+    busy_dev = np.bincount(rinv, weights=busy * dev, minlength=len(n))
     rank_rows = []
     for k, rank in enumerate(ranks):
         rank_rows.append(RankSummary(
@@ -187,6 +203,8 @@ def _summarize_trial(c: Columns, source: str) -> TrialSummary | None:
             wait_seconds_mean=float(wait[k] / n[k]),
             bubble_fraction=bubble_fraction(float(comp[k]), float(total[k]), float(opt[k])),
             wait_fraction=float(wait[k] / total[k]) if total[k] > 0 else 0.0,
+            host_bound_fraction=host_bound_fraction(float(util_dev[k] / n_dev[k]), float(busy_dev[k] / n_dev[k]))
+            if n_dev[k] else None,
         ))
 
     stage_ids = sorted(set(rank_stage.tolist()))
@@ -241,6 +259,8 @@ def _summarize_trial(c: Columns, source: str) -> TrialSummary | None:
         loss_first=float(losses[0]) if losses.size else None,
         loss_last=float(losses[-1]) if losses.size else None,
         ranks=rank_rows,
+        host_bound_fraction=max(hb) if (hb := [r.host_bound_fraction for r in rank_rows
+                                                if r.host_bound_fraction is not None]) else None,
     )
 
 
