@@ -39,23 +39,29 @@ class HostTimer:
 
 
 class CudaEventTimer:
-    """Records a pair of CUDA events per interval; resolves them at collect()."""
+    """Records a pair of CUDA events per interval; resolves them at collect().
 
-    def __init__(self) -> None:
-        import torch
+    Events are reused from step to step (a step's events have all completed once
+    collect() has synchronized on the last one), so the steady state creates none.
+    """
 
-        self._torch = torch
+    def __init__(self, *, torch: Any = None) -> None:
+        if torch is None:
+            import torch
+        self._torch = torch  # injectable: tests pass a fake with cuda.Event
         self._pending: list[tuple[str, Any, Any]] = []
+        self._free: list[Any] = []
 
-    def begin(self) -> Any:
-        ev = self._torch.cuda.Event(enable_timing=True)
+    def _event(self) -> Any:
+        ev = self._free.pop() if self._free else self._torch.cuda.Event(enable_timing=True)
         ev.record()
         return ev
 
+    def begin(self) -> Any:
+        return self._event()
+
     def end(self, token: Any, category: str) -> None:
-        ev = self._torch.cuda.Event(enable_timing=True)
-        ev.record()
-        self._pending.append((category, token, ev))
+        self._pending.append((category, token, self._event()))
 
     def collect(self) -> dict[str, float]:
         acc: dict[str, float] = defaultdict(float)
@@ -63,6 +69,7 @@ class CudaEventTimer:
             self._pending[-1][2].synchronize()
         for category, start, stop in self._pending:
             acc[category] += start.elapsed_time(stop) / 1000.0
+            self._free += (start, stop)
         self._pending = []
         return dict(acc)
 

@@ -3,6 +3,7 @@
 Checks, each printed as one PASS/FAIL line with its figures:
   event-timing    CudaEventTimer against a synchronized wall clock (and the host
                   clock, which sees only kernel launches)
+  probe-cost      host time the probe adds per timed instruction and per step
   nvml            NvmlSampler: busy GPU reads high, idle GPU reads low; which NVML
                   path answered (sample buffer or utilization rate)
   fragmentation   cuda_memory_stats on a deliberately holed allocator; the probe's
@@ -79,6 +80,49 @@ def check_event_timing(torch) -> None:
           and 3.0 < got["compute"] / got["optimizer"] < 5.0,
           events_over_wall=total / wall, host_over_events=host_s / got["compute"],
           compute_over_optimizer=got["compute"] / got["optimizer"], bf16_tflops=tflops)
+
+
+def check_probe_cost(torch) -> None:
+    """Host cost of what the probe adds: per timed instruction, per step (device probe)."""
+    from autotune.timing import CudaEventTimer
+    from exporters.devices import make_device_probe
+
+    n = 2000
+    torch.cuda.synchronize()
+
+    def per_interval(timer) -> tuple[float, float]:
+        timer.collect()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            timer.end(timer.begin(), "compute")
+        t1 = time.perf_counter()
+        timer.collect()
+        return (t1 - t0) / n * 1e6, (time.perf_counter() - t1) / n * 1e6
+
+    pooled = CudaEventTimer()
+    per_interval(pooled)  # first step creates the events
+    pooled_us, collect_us = per_interval(pooled)
+    t0 = time.perf_counter()
+    for _ in range(n):  # what the timer did before pooling: two new events per interval
+        a = torch.cuda.Event(enable_timing=True)
+        a.record()
+        b = torch.cuda.Event(enable_timing=True)
+        b.record()
+    fresh_us = (time.perf_counter() - t0) / n * 1e6
+    torch.cuda.synchronize()
+    probe = make_device_probe("cuda:0")
+    probe.utilization(0.2)
+    t0 = time.perf_counter()
+    for _ in range(50):
+        probe.utilization(0.2)
+        probe.memory()
+    step_ms = (time.perf_counter() - t0) / 50 * 1e3
+    probe.close()
+    # The overhead benchmark's step: GAS 8, 1 stage -> about 27 timed instructions, ~220 ms.
+    est = (27 * (pooled_us + collect_us) / 1e3 + step_ms) / 220
+    check("probe-cost", est < 0.02, pooled_us_per_instruction=pooled_us,
+          collect_us_per_instruction=collect_us, fresh_events_us_per_instruction=fresh_us,
+          device_probe_ms_per_step=step_ms, estimated_overhead_on_220ms_step=est)
 
 
 def check_nvml(torch) -> None:
@@ -232,6 +276,7 @@ def main() -> int:
     print(f"device: {torch.cuda.get_device_name(0)}, torch {torch.__version__}", flush=True)
     checks = {
         "event-timing": lambda: check_event_timing(torch),
+        "probe-cost": lambda: check_probe_cost(torch),
         "nvml": lambda: check_nvml(torch),
         "fragmentation": lambda: check_fragmentation(torch),
         "pipeline": lambda: check_pipeline(out, args.preset),

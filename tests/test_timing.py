@@ -25,10 +25,12 @@ class FakeEvent:
 
     clock = 0.0
     synced = 0
+    created = 0
 
     def __init__(self, enable_timing: bool = False) -> None:
         assert enable_timing
         self.t = None
+        FakeEvent.created += 1
 
     def record(self) -> None:
         self.t = FakeEvent.clock
@@ -46,9 +48,8 @@ class FakeTorch:
 
 
 def test_cuda_event_timer_reads_event_pairs_once_per_step():
-    t = CudaEventTimer.__new__(CudaEventTimer)
-    t._torch, t._pending = FakeTorch, []
-    FakeEvent.clock = 1.0
+    t = CudaEventTimer(torch=FakeTorch)
+    FakeEvent.clock, FakeEvent.synced, FakeEvent.created = 1.0, 0, 0
     a = t.begin()
     FakeEvent.clock = 1.25
     t.end(a, "compute")
@@ -59,6 +60,18 @@ def test_cuda_event_timer_reads_event_pairs_once_per_step():
     assert got == pytest.approx({"compute": 0.25, "wait": 0.25})
     assert FakeEvent.synced == 1  # one synchronize per step, not per instruction
     assert t.collect() == {}
+
+
+def test_cuda_event_timer_reuses_a_steps_events():
+    t = CudaEventTimer(torch=FakeTorch)
+    FakeEvent.clock, FakeEvent.created = 0.0, 0
+    for step in range(3):
+        for width in (0.5, 0.25):
+            a = t.begin()
+            FakeEvent.clock += width
+            t.end(a, "compute")
+        assert t.collect() == pytest.approx({"compute": 0.75}), step
+    assert FakeEvent.created == 4  # the first step's two pairs, re-recorded after
 
 
 def test_make_timer_by_device():
