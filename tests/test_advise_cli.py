@@ -205,3 +205,23 @@ def test_property_malformed_config_values(tmp_path, value, key):
     assert r.exception is None or isinstance(r.exception, SystemExit), repr(r.exception)
     if r.exit_code == 2:
         assert r.output.startswith("autotune: error: ") and r.output.count("\n") == 1
+
+
+def test_real_h200_run_is_host_bound_and_fragmented():
+    """A metrics CSV from a real instrumented run on an H200 (benchmarks/gpu_check.py,
+    `small` preset, 1 stage, bf16): the GPU ran kernels ~10 % of the time its
+    instructions spanned, so `host-bound` fires; the CUDA allocator's figures are there.
+    Written outside a study (trial -1, instrument()'s default), which advise once refused."""
+    res = run("advise", "--format", "json", str(FIX / "h200-small-1stage.csv"))
+    assert res.exit_code == 0, res.output
+    found = {f["rule_id"]: f for f in json.loads(res.output)["findings"]}
+    assert found["host-bound"]["status"] == "fired"
+    assert "micro_batch_size" in json.dumps(found["host-bound"]["changes"])
+    assert found["fragmentation-high"]["status"] == "fired"
+
+
+def test_host_bound_is_not_available_on_cpu(metrics):
+    res = run("advise", "--format", "json", str(metrics))
+    found = {f["rule_id"]: f for f in json.loads(res.output)["findings"]}
+    assert found["host-bound"]["status"] == "insufficient_data"
+    assert "busy fraction" in json.dumps(found["host-bound"]["missing"])

@@ -67,3 +67,6 @@ def test_samples_per_second_agrees_with_counted_samples_over_wall_time(tmp_path)
     assert samples / wall == pytest.approx(s.samples_per_second, rel=0.15)
     assert s.tokens_per_second == pytest.approx(s.samples_per_second * 64)
     assert s.loss_last < s.loss_first  # the synthetic stream is learnable
+    # CPU: utilization is the busy fraction, so there is nothing to call host-bound
+    assert {r.utilization_from_device for r in records} == {0}
+    assert s.host_bound_fraction is None
