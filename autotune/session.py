@@ -20,7 +20,7 @@ from autotune.study import Study
 from autotune.trial import TrialRunner, WorkloadOptions
 from autotune.tuner import Tuner, TuneResult, dump_space
 from autotune.workload.defaults import default_ds_config
-from autotune.workload.presets import get_preset
+from autotune.workload.presets import get_preset, parameter_count
 
 
 @dataclass(kw_only=True, slots=True)
@@ -201,6 +201,7 @@ def build_space(opts: RunOptions, base: DsConfig) -> SearchSpace:
         micro_max=opts.micro_max, gas_min=opts.gas_min, gas_max=opts.gas_max,
         powers_of_two_only=not opts.integer_micro, bucket_min=opts.bucket_min,
         bucket_max=opts.bucket_max, max_global_batch=opts.max_global_batch,
+        model_parameters=parameter_count(get_preset(opts.workload.preset)),
     )
 
 

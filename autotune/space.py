@@ -9,7 +9,11 @@ Two batch modes:
 
 `reduce_bucket_size` only acts with ZeRO-1 and dp > 1 under pipeline
 parallelism (deepspeed-facts.md); elsewhere `bucket_range` is None and the
-knob is not searched.
+knob is not searched. Where the model is smaller than the bucket range, the
+range ends at the model's parameter count: a bucket that large already holds
+every gradient in one reduction, and a larger one reduces the same way while
+DeepSpeed allocates a buffer of its full size every step (ZeRO-1 with pipeline
+parallelism and contiguous_gradients, stage_1_and_2.py `reduce_gradients`).
 """
 
 from __future__ import annotations
@@ -32,8 +36,13 @@ class TrialConfig:
         return (self.micro_batch_size, self.gradient_accumulation_steps, self.reduce_bucket_size)
 
     def describe(self) -> str:
-        bucket = "-" if self.reduce_bucket_size is None else f"{self.reduce_bucket_size:.2g}".replace("+0", "")
+        bucket = "-" if self.reduce_bucket_size is None else fmt_bucket(self.reduce_bucket_size)
         return f"micro={self.micro_batch_size} gas={self.gradient_accumulation_steps} bucket={bucket}"
+
+
+def fmt_bucket(elements: int) -> str:
+    """5e8, 2.4e5: bucket sizes as people write them."""
+    return f"{elements:.2g}".replace("+0", "").replace("+", "")
 
 
 def powers_of_two(lo: int, hi: int) -> list[int]:
@@ -64,6 +73,9 @@ class SearchSpace:
     """(lo, hi) elements, searched on a log scale; None when the knob cannot act."""
     bucket_note: str = ""
     """Why the bucket knob is or is not searched (printed to the user)."""
+    bucket_saturation: int | None = None
+    """Set when the range ends at the model's parameter count: every bucket at or
+    above the range's top reduces the same way (one bucket), so it stands for them."""
     min_gas: int = 1
     """Fixed-batch mode: smallest GAS allowed (default: pipeline_stages)."""
 
@@ -74,6 +86,7 @@ class SearchSpace:
         gas_min: int = 1, gas_max: int = 32, powers_of_two_only: bool = True,
         bucket_min: int = 10_000, bucket_max: int = 500_000_000,
         min_global_batch: int = 1, max_global_batch: int | None = None,
+        model_parameters: int | None = None,
     ) -> SearchSpace:
         for name, v in (("micro-min", micro_min), ("micro-max", micro_max), ("gas-min", gas_min),
                         ("gas-max", gas_max), ("bucket-min", bucket_min), ("bucket-max", bucket_max)):
@@ -87,9 +100,16 @@ class SearchSpace:
             raise UserError(f"--bucket-min {bucket_min} > --bucket-max {bucket_max}; swap them")
         p, dp = pipeline_stages, data_parallel_size
         pick = powers_of_two if powers_of_two_only else (lambda lo, hi: list(range(lo, hi + 1)))
+        saturation = None
         if zero_stage == 1 and dp > 1:
             bucket: tuple[int, int] | None = (bucket_min, bucket_max)
             note = "reduce_bucket_size searched (ZeRO-1, dp > 1)"
+            top = ceil_bucket(model_parameters) if model_parameters else None
+            if top is not None and bucket_min < top < bucket_max:
+                bucket, saturation = (bucket_min, top), top
+                note = (f"reduce_bucket_size searched in [{fmt_bucket(bucket_min)}, {fmt_bucket(top)}] (ZeRO-1, dp > 1): "
+                        f"the model has {model_parameters:,} parameters, so a larger bucket reduces "
+                        "the same single bucket and only allocates a larger buffer every step")
         else:
             bucket = None
             why = "ZeRO-0 uses a fixed 5e8-element bucket" if zero_stage != 1 else "dp = 1 has no gradient reduction"
@@ -109,18 +129,29 @@ class SearchSpace:
                     f"multiple of {dp * p * micro_min}"
                 )
             return cls(pipeline_stages=p, data_parallel_size=dp, micro_batch_sizes=micros,
-                       global_batch=global_batch, bucket_range=bucket, bucket_note=note, min_gas=min_gas)
+                       global_batch=global_batch, bucket_range=bucket, bucket_note=note, min_gas=min_gas,
+                       bucket_saturation=saturation)
         micros, gas = pick(micro_min, micro_max), pick(gas_min, gas_max)
         if not micros or not gas:
             raise UserError("no power-of-two value inside the micro/GAS bounds; widen them")
         return cls(pipeline_stages=p, data_parallel_size=dp, micro_batch_sizes=micros, gas_values=gas,
                    min_global_batch=min_global_batch, max_global_batch=max_global_batch,
-                   bucket_range=bucket, bucket_note=note)
+                   bucket_range=bucket, bucket_note=note, bucket_saturation=saturation)
 
     def gas_for(self, micro: int) -> int:
         """Fixed-batch mode: the GAS that micro implies."""
         assert self.global_batch is not None
         return self.global_batch // (self.data_parallel_size * micro)
+
+    def canonical(self, cfg: TrialConfig) -> TrialConfig:
+        """The in-space stand-in of a config whose bucket is above a saturated range
+        (e.g. a baseline's default 5e8 on a small model); other configs unchanged."""
+        b = cfg.reduce_bucket_size
+        if self.bucket_saturation is None or b is None or b <= self.bucket_saturation:
+            return cfg
+        return TrialConfig(micro_batch_size=cfg.micro_batch_size,
+                           gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+                           reduce_bucket_size=self.bucket_saturation)
 
     def contains(self, cfg: TrialConfig) -> bool:
         if cfg.micro_batch_size not in self.micro_batch_sizes:
@@ -164,6 +195,14 @@ class SearchSpace:
         else:
             batch = f"micro in {self.micro_batch_sizes}, GAS in {self.gas_values}"
         return f"{batch}; {self.bucket_note}"
+
+
+def ceil_bucket(value: float) -> int:
+    """Round a bucket size up to two significant digits (234,048 -> 240,000)."""
+    if value <= 0:
+        return 1
+    exp = max(int(math.floor(math.log10(value))) - 1, 0)
+    return int(math.ceil(value / 10**exp) * 10**exp)
 
 
 def round_bucket(value: float) -> int:

@@ -16,7 +16,6 @@ are ignored so it cannot be cut short.
 
 from __future__ import annotations
 
-import json
 import signal
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -221,7 +220,3 @@ def dump_space(space: SearchSpace) -> dict[str, Any]:
             "gas_values": space.gas_values, "global_batch": space.global_batch,
             "bucket_range": list(space.bucket_range) if space.bucket_range else None,
             "pipeline_stages": space.pipeline_stages, "data_parallel_size": space.data_parallel_size}
-
-
-def space_fingerprint(space: SearchSpace) -> str:
-    return json.dumps(dump_space(space), sort_keys=True)

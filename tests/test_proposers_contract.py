@@ -202,3 +202,16 @@ def test_hybrid_remeasures_close_top_two_at_the_end() -> None:
     h.tell(cfg(4, 4), TrialResult(status=STATUS_OK, samples_per_second=10.5))
     p = h.ask()
     assert p.source == "remeasure" and p.config == cfg(4, 4)
+
+
+def test_history_stores_a_saturated_bucket_as_the_ranges_top() -> None:
+    """The baseline's default 5e8 on a small model reduces like the range's top:
+    the model learns from it instead of dropping it as out of space."""
+    from autotune.proposers.history import History
+
+    space = SearchSpace.build(pipeline_stages=2, data_parallel_size=2, zero_stage=1, global_batch=64,
+                              model_parameters=234_048)
+    h = History(space)
+    base = TrialConfig(micro_batch_size=1, gradient_accumulation_steps=32, reduce_bucket_size=500_000_000)
+    assert h.record(base, TrialResult(status=STATUS_OK, samples_per_second=100.0))
+    assert h.observations[0].config.reduce_bucket_size == 240_000 and h.ignored == 0

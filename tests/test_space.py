@@ -75,3 +75,38 @@ def test_baseline_follows_a_global_batch_override():
     b = baseline_config(base, opts, space)
     assert b.micro_batch_size * b.gradient_accumulation_steps == 8
     assert b.micro_batch_size == 1  # the default config's micro-batch
+
+
+def test_bucket_range_ends_at_the_model_size_where_the_model_is_smaller():
+    """A bucket holding every gradient reduces in one go; larger ones only allocate more."""
+    small = SearchSpace.build(pipeline_stages=2, data_parallel_size=2, zero_stage=1, global_batch=64,
+                              model_parameters=234_048)
+    assert small.bucket_range == (10_000, 240_000)  # rounded up: the top holds every gradient
+    assert small.bucket_saturation == 240_000
+    assert "234,048 parameters" in small.describe()
+    assert max(c.reduce_bucket_size for c in small.grid(4)) == 240_000
+    # the default 5e8 of a baseline stands for the top; in-range configs are left alone
+    base = TrialConfig(micro_batch_size=1, gradient_accumulation_steps=32, reduce_bucket_size=500_000_000)
+    assert small.canonical(base).reduce_bucket_size == 240_000 and small.contains(small.canonical(base))
+    inside = TrialConfig(micro_batch_size=1, gradient_accumulation_steps=32, reduce_bucket_size=50_000)
+    assert small.canonical(inside) == inside
+    # a model larger than the range (LLaMA-7B: 6.7e9) keeps it, and nothing is mapped
+    big = SearchSpace.build(pipeline_stages=2, data_parallel_size=2, zero_stage=1, global_batch=64,
+                            model_parameters=6_738_415_616)
+    assert big.bucket_range == (10_000, 500_000_000) and big.bucket_saturation is None
+    assert big.canonical(base) == base
+
+
+def test_parameter_count_matches_the_built_model():
+    torch = pytest.importorskip("torch")
+    from autotune.workload.model import DecoderLayerPipe, EmbeddingPipe, LMHeadPipe
+    from autotune.workload.presets import get_preset, parameter_count
+
+    for name in ("tiny", "small"):
+        p = get_preset(name)
+        layers = [EmbeddingPipe(p), *(DecoderLayerPipe(p) for _ in range(p.num_layers)), LMHeadPipe(p)]
+        assert parameter_count(p) == sum(t.numel() for m in layers for t in m.parameters()), name
+    assert isinstance(torch.__version__, str)
+    # the real shapes give the published sizes
+    assert round(parameter_count(get_preset("llama-7b")) / 1e9, 2) == 6.74
+    assert round(parameter_count(get_preset("llama-13b")) / 1e9, 2) == 13.02

@@ -29,8 +29,12 @@ class History:
     """Told configurations outside the space (e.g. a user's baseline); not modelled."""
 
     def record(self, config: TrialConfig, result: TrialResult) -> bool:
-        """Store a told trial; False (and nothing stored) when it is outside the space."""
+        """Store a told trial; False (and nothing stored) when it is outside the space.
+
+        A bucket above a saturated range is stored as the range's top, which reduces
+        the same way (SearchSpace.canonical)."""
         self.pending.discard(config.key())
+        config = self.space.canonical(config)
         if not self.space.contains(config):
             self.ignored += 1
             return False

@@ -34,6 +34,16 @@ PRESETS: dict[str, ModelPreset] = {
 }
 
 
+def parameter_count(preset: ModelPreset) -> int:
+    """Parameters of the built-in model (autotune/workload/model.py), without building it.
+
+    Embedding v*h; per decoder layer 2 RMSNorms (2h), qkv + out (4h^2), SwiGLU
+    gate_up + down (3 h ffn); final RMSNorm h and LM head h*v (no biases, untied).
+    """
+    h, v, f = preset.hidden_size, preset.vocab_size, preset.ffn_size
+    return v * h + preset.num_layers * (2 * h + 4 * h * h + 3 * h * f) + h + h * v
+
+
 def get_preset(name: str) -> ModelPreset:
     try:
         return PRESETS[name]
