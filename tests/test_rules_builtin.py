@@ -35,6 +35,7 @@ METRIC_CASES = {
     "micro-batches-not-multiple-of-stages": dict(gradient_accumulation_steps=9),
     "stage-imbalance": dict(stage_compute_imbalance=1.4, slowest_stage=0),
     "step-time-jitter": dict(step_time_jitter=0.3),
+    "host-bound": dict(host_bound_fraction=0.9),
 }
 
 
@@ -132,6 +133,7 @@ CONFIG_CASES = {
     "bucket-size-in-bytes": {"zero_optimization": {"stage": 1, "reduce_bucket_size": 536870912}},
     "fp16-keys-under-bf16": {"bf16": {"enabled": True}, "fp16": {"initial_scale_power": 16}},
     "unknown-bucket-key": {"allreduce_bucket_size": 50000000},
+    "zero1-bucket-buffer": {"zero_optimization": {"stage": 1}},  # DeepSpeed's default 5e8
 }
 
 
@@ -145,6 +147,21 @@ def test_config_rule_fires(rule_id):
 @pytest.mark.parametrize("rule_id", sorted(CONFIG_CASES))
 def test_config_rule_quiet_on_clean_config(rule_id):
     assert fired(check_config(DsConfig.from_dict(BASE)), rule_id) == []
+
+
+def test_zero1_bucket_buffer_only_where_the_buffer_is_allocated():
+    def fires(zero):
+        return bool(fired(check_config(DsConfig.from_dict({**BASE, "zero_optimization": zero})),
+                          "zero1-bucket-buffer"))
+
+    assert fires({"stage": 1, "reduce_bucket_size": 300_000_000})  # 1.2 GB > 1 GiB
+    assert not fires({"stage": 1, "reduce_bucket_size": 200_000_000})  # 0.8 GB
+    assert not fires({"stage": 1, "contiguous_gradients": False})  # no contiguous buffer
+    assert not fires({"stage": 0})  # ZeRO-0: the fixed-bucket allreduce, no ipg buffer
+    f = fired(check_config(DsConfig.from_dict({**BASE, "zero_optimization": {"stage": 1}})),
+              "zero1-bucket-buffer")[0]
+    assert f.evidence[0].measured == 2e9 and "(default)" in f.evidence[0].detail
+    assert [(c.target, c.new) for c in f.changes] == [("zero_optimization.reduce_bucket_size", 50_000_000)]
 
 
 def test_ignored_keys_evidence_lists_keys_but_keeps_read_ones():

@@ -79,8 +79,8 @@ def test_patch_config_from_check_without_dp_derives_it():
 
 
 def test_patch_config_ignores_insufficient_and_advice():
-    cfg = DsConfig.from_dict({**BASE, "zero_optimization": {"stage": 1}, "wall_clock_breakdown": False,
-                              "pipeline": {}})
+    cfg = DsConfig.from_dict({**BASE, "zero_optimization": {"stage": 1, "reduce_bucket_size": 50_000_000},
+                              "wall_clock_breakdown": False, "pipeline": {}})
     out = patch_config(cfg, evaluate([healthy_summary(stage_compute_imbalance=2.0,
                                                       memory_fragmentation_ratio=None)], ds_config=cfg))
     assert out == cfg.to_dict()
