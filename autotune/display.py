@@ -6,7 +6,7 @@ from contextlib import AbstractContextManager, nullcontext
 
 from rich.console import Console
 
-from autotune.space import TrialConfig
+from autotune.space import TrialConfig, fmt_bucket
 from autotune.summary import TrialSummary
 
 
@@ -39,7 +39,7 @@ class ProgressDisplay:
     def trial_row(self, number: int, config: TrialConfig, source: str, status: str,
                   summary: TrialSummary | None, failure: str | None, best: bool) -> None:
         self.header()
-        bucket = "-" if config.reduce_bucket_size is None else f"{config.reduce_bucket_size:.2g}"
+        bucket = "-" if config.reduce_bucket_size is None else fmt_bucket(config.reduce_bucket_size)
         if summary is not None:
             sps = f"{summary.samples_per_second:10.1f}"
             util = _pct(summary.device_utilization_mean)

@@ -10,12 +10,14 @@ analytic and small, but it has the shapes that make tuning hard:
 - per-micro-batch compute ``overhead + mb * t_sample / eff(mb)`` with a device
   efficiency curve rising in the micro-batch (small micro-batches starve the
   device, as measured on CPU: micro 1/GAS 1 5.3 samples/s, 32/4 19.9);
-- bucketed data-parallel gradient reduction: ``ceil(P/b)`` calls with a
-  per-call latency plus a bandwidth term whose non-overlapped share grows with
-  the bucket (U-shaped in the bucket size, as measured: 1e4 -> 55.7,
-  1e5 -> 71.2, 5e8 -> 45.0 samples/s);
+- bucketed data-parallel gradient reduction, never overlapped (DeepSpeed runs
+  ReduceGrads after the last backward of the step): ``ceil(P/b)`` calls with a
+  per-call latency, a bandwidth term, and a per-step cost of the
+  ``b``-element buffer DeepSpeed allocates every step (ZeRO-1 + pipeline);
+  fitted to 1e4 -> 55.7, 1e5 -> 71.2, 5e8 -> 45.0 samples/s (CPU, single runs);
 - memory: static + activations ``mb * max(2, min(p, m))`` micro-batches in
-  flight on stage 0 + the bucket buffer, against a limit with per-trial jitter,
+  flight on stage 0 + the bucket buffer (4 bytes x b, as measured on an H200),
+  against a limit with per-trial jitter,
   so out-of-memory is random near the edge;
 - 2 % multiplicative noise and 5 % straggler trials (0.6-0.85x).
 
@@ -62,8 +64,8 @@ class Scenario:
     """Gradient elements reduced by the largest stage."""
     allreduce_latency_seconds: float
     allreduce_seconds_per_element: float
-    exposed_floor: float = 0.3
-    """Share of the reduction's bandwidth time never hidden, whatever the bucket."""
+    buffer_seconds_per_element: float = 0.0
+    """Per-step cost of allocating the reduce_bucket_size buffer, per element."""
     optimizer_seconds: float = 0.0
     mem_static_bytes: float
     mem_activation_bytes_per_sample: float
@@ -93,8 +95,7 @@ class Scenario:
         p, b = self.params_per_stage, self._bucket(cfg)
         calls = math.ceil(p / b)
         bw = p * self.allreduce_seconds_per_element
-        exposed = self.exposed_floor + (1 - self.exposed_floor) * min(b, p) / p
-        return calls * self.allreduce_latency_seconds + bw * exposed
+        return calls * self.allreduce_latency_seconds + bw + b * self.buffer_seconds_per_element
 
     def memory_bytes(self, cfg: TrialConfig) -> float:
         m = cfg.gradient_accumulation_steps
@@ -102,7 +103,7 @@ class Scenario:
         act = self.mem_activation_bytes_per_sample * cfg.micro_batch_size * min(inflight, m)
         buf = 0.0
         if self.space.data_parallel_size > 1:
-            buf = 2 * 4 * min(self._bucket(cfg), self.params_per_stage)
+            buf = 4 * self._bucket(cfg)
         return self.mem_static_bytes + act + buf
 
     def breakdown(self, cfg: TrialConfig) -> dict:
@@ -208,7 +209,8 @@ def _cpu_tiny() -> Scenario:
                              reduce_bucket_size=DEFAULT_BUCKET),
         stage_sample_seconds=(0.036, 0.036), micro_overhead_seconds=0.015,
         eff_floor=0.4, eff_half=6.0, params_per_stage=8.4e6,
-        allreduce_latency_seconds=6.3e-4, allreduce_seconds_per_element=1.7e-7, exposed_floor=0.3,
+        allreduce_latency_seconds=1.0e-3, allreduce_seconds_per_element=1.7e-7,
+        buffer_seconds_per_element=3.3e-9,
         optimizer_seconds=0.01, mem_static_bytes=2 * GIB, mem_activation_bytes_per_sample=64e6,
         mem_limit_bytes=8 * GIB, reports_memory=False)
 
@@ -222,7 +224,8 @@ def _llama7b_fixed() -> Scenario:
                              reduce_bucket_size=DEFAULT_BUCKET),
         stage_sample_seconds=(0.030,) * 8, micro_overhead_seconds=0.006,
         eff_floor=0.35, eff_half=4.0, params_per_stage=8.5e8,
-        allreduce_latency_seconds=0.004, allreduce_seconds_per_element=2.5e-9, exposed_floor=0.4,
+        allreduce_latency_seconds=0.004, allreduce_seconds_per_element=2.5e-9,
+        buffer_seconds_per_element=1e-10,
         optimizer_seconds=0.05, mem_static_bytes=14 * GIB, mem_activation_bytes_per_sample=0.9 * GIB,
         mem_limit_bytes=80 * GIB)
 
@@ -237,7 +240,8 @@ def _llama13b_free() -> Scenario:
                              reduce_bucket_size=DEFAULT_BUCKET),
         stage_sample_seconds=(0.055,) * 8, micro_overhead_seconds=0.008,
         eff_floor=0.4, eff_half=3.0, params_per_stage=1.65e9,
-        allreduce_latency_seconds=0.006, allreduce_seconds_per_element=3e-9, exposed_floor=0.35,
+        allreduce_latency_seconds=0.006, allreduce_seconds_per_element=3e-9,
+        buffer_seconds_per_element=1e-10,
         optimizer_seconds=0.08, mem_static_bytes=30 * GIB, mem_activation_bytes_per_sample=1.45 * GIB,
         mem_limit_bytes=80 * GIB)
 

@@ -107,11 +107,31 @@ def test_fragmentation_none_is_reported_not_available():
     assert "not available" in f[0].missing["memory_fragmentation_ratio"]
 
 
-def test_comm_high_prefers_smaller_bucket_only_when_it_acts():
+def test_comm_high_never_proposes_a_smaller_bucket():
+    """Under pipeline parallelism the reduction runs after the last backward: nothing to
+    overlap, so smaller buckets only add calls. advise (model size unknown) says so in
+    words; where the bucket cannot act, no bucket move at all."""
     f = fired(evaluate([healthy_summary(comm_compute_ratio=0.5)]), "comm-compute-high")[0]
-    assert [c.target for c in f.changes] == ["reduce_bucket_size", "gradient_accumulation_steps"]
+    assert [(c.kind, c.target) for c in f.changes] == [("advice", "reduce_bucket_size"),
+                                                       ("trial", "gradient_accumulation_steps")]
+    assert "not smaller" in f.changes[0].new
     f = fired(evaluate([healthy_summary(comm_compute_ratio=0.5, reduce_bucket_size=None)]), "comm-compute-high")[0]
     assert [c.target for c in f.changes] == ["gradient_accumulation_steps"]
+
+
+def test_comm_high_moves_the_tuner_to_one_bucket():
+    from autotune.advisor.moves import propose_moves
+    from autotune.space import SearchSpace, TrialConfig
+
+    space = SearchSpace.build(pipeline_stages=2, data_parallel_size=2, zero_stage=1, global_batch=64,
+                              model_parameters=234_048)
+    cur = TrialConfig(micro_batch_size=16, gradient_accumulation_steps=2, reduce_bucket_size=29_000)
+    props = propose_moves(healthy_summary(comm_compute_ratio=0.5), cur, space)
+    buckets = [p.config.reduce_bucket_size for p in props if p.source == "rule:comm-compute-high"]
+    assert buckets == [240_000]  # the space's top: one call; never below the current bucket
+    top = TrialConfig(micro_batch_size=16, gradient_accumulation_steps=2, reduce_bucket_size=240_000)
+    assert not [p for p in propose_moves(healthy_summary(comm_compute_ratio=0.5), top, space)
+                if p.source == "rule:comm-compute-high"]
 
 
 def test_findings_ranked_by_impact():

@@ -24,8 +24,9 @@ def test_proposals_are_in_space_and_labelled():
     for p in props:
         assert space.contains(p.config) and p.config != cur
         assert p.source.startswith("rule:") and "\n" not in p.reason and "->" in p.reason
-    assert props[0].source == "rule:comm-compute-high"
-    assert props[0].config.reduce_bucket_size == 50_000
+    comm = [p for p in props if p.source == "rule:comm-compute-high"]
+    # no model size in this space: no bucket move (never a smaller one), GAS x2 (free batch)
+    assert [(p.config.reduce_bucket_size, p.config.gradient_accumulation_steps) for p in comm] == [(100_000, 16)]
 
 
 def test_no_proposals_on_healthy_trial():
@@ -102,5 +103,5 @@ def test_comm_rules_grow_gas_only_when_the_global_batch_may_grow():
     free = propose_moves(summary, cur, _space())
     comm = ("rule:comm-compute-high", "rule:comm-compute-above-target")
     assert not [p for p in fixed if p.source in comm and p.config.gradient_accumulation_steps != 16]
-    assert [p for p in fixed if p.source in comm and p.config.reduce_bucket_size == 120_000_000]
+    assert not [p for p in fixed if p.source in comm and p.config.reduce_bucket_size != 250_000_000]
     assert [p for p in free if p.source in comm and p.config.gradient_accumulation_steps == 32]

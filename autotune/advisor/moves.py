@@ -33,7 +33,8 @@ def propose_moves(summary: TrialSummary, current: TrialConfig, space: SearchSpac
         bucket = DEEPSPEED_DEFAULT_BUCKET
     signals.values.update(layout_values(current.micro_batch_size, current.gradient_accumulation_steps,
                                         space.pipeline_stages, space.data_parallel_size, bucket,
-                                        global_batch_fixed=space.global_batch is not None))
+                                        global_batch_fixed=space.global_batch is not None,
+                                        bucket_one_call=space.bucket_saturation))
     out: list[Proposal] = []
     seen = {current.key()}
     for f in evaluate([signals], rules=rules):

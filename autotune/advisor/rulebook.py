@@ -33,7 +33,8 @@ BUILTIN_RULES = Path(__file__).resolve().parents[2] / "rules" / "builtin.toml"
 
 SEVERITIES = ("critical", "warning", "info")
 TRIAL_PARAMS = ("micro_batch_size", "gradient_accumulation_steps", "reduce_bucket_size")
-COMPUTES = frozenset({"gas_for_bubble", "next_multiple_of_stages", "bytes_to_elements", "loader_workers"})
+COMPUTES = frozenset({"gas_for_bubble", "next_multiple_of_stages", "bytes_to_elements", "loader_workers",
+                      "one_bucket"})
 IMPACT_KINDS = ("excess", "fixed", "imbalance", "bubble")
 _ID = re.compile(r"^[a-z0-9][a-z0-9-]{1,63}$")
 

@@ -25,7 +25,7 @@ METRIC_SIGNALS: frozenset[str] = frozenset({
 # The batch layout: known from a trial's metrics or from a ds_config plus --stages/--world-size.
 LAYOUT_SIGNALS: frozenset[str] = frozenset({
     "micro_batch_size", "gradient_accumulation_steps", "pipeline_stages", "data_parallel_size",
-    "reduce_bucket_size", "micro_batches_remainder", "global_batch_fixed",
+    "reduce_bucket_size", "micro_batches_remainder", "global_batch_fixed", "bucket_one_call",
 })
 # Facts read from the ds_config alone (computed in config_rules.py).
 CONFIG_SIGNALS: frozenset[str] = frozenset({
@@ -79,12 +79,15 @@ class SignalSet:
 
 
 def layout_values(micro: int | None, gas: int | None, stages: int | None, dp: int | None,
-                  bucket: int | None, *, global_batch_fixed: bool = False) -> dict[str, float | None]:
+                  bucket: int | None, *, global_batch_fixed: bool = False,
+                  bucket_one_call: int | None = None) -> dict[str, float | None]:
     """The layout signals, including the derived micro-batch remainder (GAS mod stages).
 
     `global_batch_fixed` is 1 when micro x GAS x dp must stay constant (the tuner's
     default space): then more GAS means a smaller micro-batch, and moves that only
     help by growing the batch are skipped. `advise` patches train_batch_size, so 0.
+    `bucket_one_call` is the smallest bucket that holds every gradient (the search
+    space's top when it ends at the model's size); None where the model is unknown.
     """
     rem = float(gas % stages) if gas is not None and stages else None
     return {
@@ -92,6 +95,7 @@ def layout_values(micro: int | None, gas: int | None, stages: int | None, dp: in
         "pipeline_stages": _f(stages), "data_parallel_size": _f(dp),
         "reduce_bucket_size": _f(bucket), "micro_batches_remainder": rem,
         "global_batch_fixed": 1.0 if global_batch_fixed else 0.0,
+        "bucket_one_call": _f(bucket_one_call),
     }
 
 

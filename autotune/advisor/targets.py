@@ -70,6 +70,13 @@ def _trial(move: Move, s: SignalSet) -> Change | None:
         cur = gas
     elif cur is None:
         return None
+    elif move.compute == "one_bucket":
+        # One bucket holds every gradient: the fewest reduction calls. Known only where
+        # the model's size is (autotune run); advise falls back to the rule's advice.
+        top = s.get("bucket_one_call")
+        if top is None or cur >= top:
+            return None
+        new = top
     elif move.scale is not None:
         new = cur * move.scale
         new = round_bucket(new) if move.target == "reduce_bucket_size" else max(1, round(new))
