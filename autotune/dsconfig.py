@@ -16,6 +16,9 @@ from typing import Any
 
 from autotune.errors import ConfigError
 
+DEEPSPEED_DEFAULT_BUCKET = 500_000_000
+"""reduce_bucket_size DeepSpeed uses when the config leaves it out (elements)."""
+
 # Keys of the `pipeline` section that DeepSpeed 0.19.8 actually reads.
 PIPELINE_KEYS_READ = frozenset(
     {"pipe_partitioned", "grad_partitioned", "use_reentrant", "activation_checkpoint_interval"}

@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from autotune.schema import StepRecord
+from autotune.summary import busy_fraction
 from autotune.timing import IntervalTimer, make_timer
 
 COMPUTE, OPTIMIZER, COMM, WAIT, DATA = "compute", "optimizer", "comm", "wait", "data"
@@ -155,7 +156,7 @@ class PipelineProbe:
             util = self.device.utilization(step_seconds)
         from_device = util is not None
         if util is None:  # busy fraction: the documented CPU definition
-            util = min(1.0, compute / step_seconds) if step_seconds > 0 else 0.0
+            util = busy_fraction(compute, step_seconds)
         mem = self.device.memory() if self.device is not None else None
         mem = mem or {}
         peak = mem.get("peak_bytes")

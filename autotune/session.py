@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from autotune.display import ProgressDisplay
-from autotune.dsconfig import DsConfig, load_ds_config
+from autotune.dsconfig import DEEPSPEED_DEFAULT_BUCKET, DsConfig, load_ds_config
 from autotune.errors import UserError
 from autotune.space import SearchSpace, TrialConfig
 from autotune.study import Study
@@ -209,7 +209,7 @@ def baseline_config(base: DsConfig, opts: RunOptions, space: SearchSpace) -> Tri
     layout = base.resolve_batch(opts.workload.data_parallel_size)
     bucket = None
     if space.bucket_range is not None:
-        bucket = base.reduce_bucket_size or 500_000_000  # DeepSpeed's default when unset
+        bucket = base.reduce_bucket_size or DEEPSPEED_DEFAULT_BUCKET
     micro, gas = layout.micro_batch_size, layout.gradient_accumulation_steps
     if space.global_batch is not None and layout.train_batch_size != space.global_batch:
         # --global-batch overrides the config's: keep its micro-batch where it divides, so the

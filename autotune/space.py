@@ -199,15 +199,16 @@ class SearchSpace:
 
 def ceil_bucket(value: float) -> int:
     """Round a bucket size up to two significant digits (234,048 -> 240,000)."""
-    if value <= 0:
-        return 1
-    exp = max(int(math.floor(math.log10(value))) - 1, 0)
-    return int(math.ceil(value / 10**exp) * 10**exp)
+    return _two_digits(value, math.ceil)
 
 
 def round_bucket(value: float) -> int:
     """Round a bucket size to two significant digits (5e8, 1.2e5): readable, and dedupes near-equal points."""
+    return _two_digits(value, round)
+
+
+def _two_digits(value: float, rounding) -> int:
     if value <= 0:
         return 1
-    exp = int(math.floor(math.log10(value))) - 1
-    return int(round(value / 10**exp) * 10**exp)
+    unit = 10 ** max(int(math.floor(math.log10(value))) - 1, 0)
+    return int(rounding(value / unit) * unit)

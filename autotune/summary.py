@@ -54,6 +54,11 @@ def comm_compute_ratio(comm: float, wait: float, compute: float) -> float | None
     return (comm + wait) / compute
 
 
+def busy_fraction(compute_seconds: float, step_seconds: float) -> float:
+    """Share of the step inside timed instructions: the CPU utilization definition."""
+    return min(1.0, compute_seconds / step_seconds) if step_seconds > 0 else 0.0
+
+
 def host_bound_fraction(utilization_mean: float, busy_fraction_mean: float) -> float | None:
     """Share of instruction time in which the GPU ran no kernel: 1 - utilization / busy.
 
@@ -153,11 +158,6 @@ class TrialSummary:
         return cls(**d)
 
 
-def _busy(r: StepRecord) -> float:
-    """The CPU utilization definition: share of the step inside timed instructions."""
-    return min(1.0, r.compute_seconds / r.step_seconds) if r.step_seconds > 0 else 0.0
-
-
 def _quantile(vals: Sequence[float], q: float) -> float:
     s = sorted(vals)
     if len(s) == 1:
@@ -222,7 +222,7 @@ def summarize_trial(records: Sequence[StepRecord]) -> TrialSummary | None:
             wait_fraction=wait / total if total > 0 else 0.0,
             host_bound_fraction=host_bound_fraction(
                 statistics.fmean(r.device_utilization for r in dev),
-                statistics.fmean(_busy(r) for r in dev)) if dev else None,
+                statistics.fmean(busy_fraction(r.compute_seconds, r.step_seconds) for r in dev)) if dev else None,
         ))
 
     stage_comp: dict[int, list[float]] = defaultdict(list)

@@ -52,16 +52,13 @@ class CudaEventTimer:
         self._pending: list[tuple[str, Any, Any]] = []
         self._free: list[Any] = []
 
-    def _event(self) -> Any:
+    def begin(self) -> Any:
         ev = self._free.pop() if self._free else self._torch.cuda.Event(enable_timing=True)
         ev.record()
         return ev
 
-    def begin(self) -> Any:
-        return self._event()
-
     def end(self, token: Any, category: str) -> None:
-        self._pending.append((category, token, self._event()))
+        self._pending.append((category, token, self.begin()))
 
     def collect(self) -> dict[str, float]:
         acc: dict[str, float] = defaultdict(float)

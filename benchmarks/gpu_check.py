@@ -192,6 +192,14 @@ def ds_config(path: Path, micro: int, gas: int) -> Path:
     return path
 
 
+def one_gpu(script: Path, *args: str) -> list[str]:
+    """DeepSpeed's launcher command for one rank on this GPU (the trial engine's own builder)."""
+    from autotune.launcher import LaunchSpec, build_command, free_port
+
+    spec = LaunchSpec(num_ranks=1, script=script, script_args=list(args), log_path=Path(os.devnull), timeout=0)
+    return build_command(spec, free_port())
+
+
 def run(cmd: list[str], log: Path, timeout: float) -> int:
     print("$ " + " ".join(cmd), flush=True)
     with log.open("w") as fh:
@@ -203,17 +211,15 @@ def run(cmd: list[str], log: Path, timeout: float) -> int:
 
 
 def check_pipeline(out: Path, preset: str) -> None:
-    from autotune.launcher import free_port
     from autotune.metrics_csv import read_metrics_csv
     from autotune.summary import summarize_trial
 
     d = out / "pipeline"
     d.mkdir(exist_ok=True)
-    rc = run([sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "1", "--no_local_rank",
-              "--master_port", str(free_port()), str(ROOT / "autotune/workload/train.py"),
-              "--ds-config", str(ds_config(d / "ds_config.json", 8, 8)), "--preset", preset,
-              "--stages", "1", "--steps", "8", "--warmup-steps", "2",
-              "--metrics-csv", str(d / "metrics-rank{rank}.csv")], d / "launcher.log", 240)
+    rc = run(one_gpu(ROOT / "autotune/workload/train.py",
+                     "--ds-config", str(ds_config(d / "ds_config.json", 8, 8)), "--preset", preset,
+                     "--stages", "1", "--steps", "8", "--warmup-steps", "2",
+                     "--metrics-csv", str(d / "metrics-rank{rank}.csv")), d / "launcher.log", 240)
     records = read_metrics_csv(d / "metrics-rank0.csv") if (d / "metrics-rank0.csv").exists() else []
     s = summarize_trial(records) if records else None
     if rc != 0 or s is None:
@@ -247,13 +253,10 @@ def check_advise(out: Path) -> None:
 
 
 def check_overhead(out: Path, preset: str) -> None:
-    from autotune.launcher import free_port
 
     log = out / "overhead.log"
-    rc = run([sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "1", "--no_local_rank",
-              "--master_port", str(free_port()), str(ROOT / "benchmarks/instrumentation_overhead.py"),
-              "--preset", preset, "--stages", "1", "--micro", "8", "--gas", "8", "--blocks", "10",
-              "--torch-adam"], log, 240)
+    rc = run(one_gpu(ROOT / "benchmarks/instrumentation_overhead.py", "--preset", preset, "--stages", "1",
+                     "--micro", "8", "--gas", "8", "--blocks", "10", "--torch-adam"), log, 240)
     line = next((ln for ln in log.read_text().splitlines() if "ratio" in ln), "")
     ratio = float(line.split("ratio", 1)[1].split()[0]) if line else None
     check("overhead", rc == 0 and ratio is not None and ratio <= 1.02, rc=rc, ratio=ratio,

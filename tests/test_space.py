@@ -98,7 +98,7 @@ def test_bucket_range_ends_at_the_model_size_where_the_model_is_smaller():
 
 
 def test_parameter_count_matches_the_built_model():
-    torch = pytest.importorskip("torch")
+    pytest.importorskip("torch")
     from autotune.workload.model import DecoderLayerPipe, EmbeddingPipe, LMHeadPipe
     from autotune.workload.presets import get_preset, parameter_count
 
@@ -106,7 +106,6 @@ def test_parameter_count_matches_the_built_model():
         p = get_preset(name)
         layers = [EmbeddingPipe(p), *(DecoderLayerPipe(p) for _ in range(p.num_layers)), LMHeadPipe(p)]
         assert parameter_count(p) == sum(t.numel() for m in layers for t in m.parameters()), name
-    assert isinstance(torch.__version__, str)
     # the real shapes give the published sizes
     assert round(parameter_count(get_preset("llama-7b")) / 1e9, 2) == 6.74
     assert round(parameter_count(get_preset("llama-13b")) / 1e9, 2) == 13.02

@@ -14,7 +14,7 @@ from autotune.advisor.findings import Finding
 from autotune.advisor.rulebook import Rule
 from autotune.advisor.signals import SignalSet, layout_values
 from autotune.advisor.targets import BUCKET_KEYS, byte_like, get_dotted
-from autotune.dsconfig import PIPELINE_KEYS_READ, DsConfig
+from autotune.dsconfig import DEEPSPEED_DEFAULT_BUCKET, PIPELINE_KEYS_READ, DsConfig
 from autotune.errors import ConfigError
 from autotune.summary import ideal_bubble_fraction
 
@@ -23,7 +23,6 @@ FP16_LOSS_SCALE_KEYS = ("loss_scale", "initial_scale_power", "loss_scale_window"
 TIMER_SWITCHES = ("wall_clock_breakdown", "flops_profiler.enabled", "autotuning.enabled")
 """Each turns on engine timers that crash non-last pipeline stages."""
 UNKNOWN_BUCKET_KEYS = ("allreduce_bucket_size", "zero_optimization.allreduce_bucket_size")
-DEFAULT_REDUCE_BUCKET = 500_000_000
 BUCKET_BUFFER_BYTES_PER_ELEMENT = 4
 """The per-step gradient buffer measured on an H200 with bf16 (5e8 elements: +1.9 GiB peak)."""
 
@@ -68,7 +67,7 @@ def config_facts(cfg: DsConfig, *, stages: int | None = None, world_size: int | 
     # reduce_bucket_size-element gradient buffer on every step, however small the model
     # (stage_1_and_2.py reduce_gradients, pipeline_parallel branch), even with dp = 1.
     buffered = cfg.zero_stage == 1 and zero.get("contiguous_gradients", True) is not False
-    elements = cfg.reduce_bucket_size or DEFAULT_REDUCE_BUCKET
+    elements = cfg.reduce_bucket_size or DEEPSPEED_DEFAULT_BUCKET
     values["config.zero1_bucket_buffer_bytes"] = float(elements * BUCKET_BUFFER_BYTES_PER_ELEMENT) if buffered else 0.0
     if buffered:
         details["config.zero1_bucket_buffer_bytes"] = (

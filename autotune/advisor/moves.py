@@ -14,14 +14,11 @@ from autotune.advisor.engine import evaluate
 from autotune.advisor.findings import Change, Finding
 from autotune.advisor.rulebook import Rule
 from autotune.advisor.signals import from_summary, layout_values
-from autotune.dsconfig import DsConfig
+from autotune.dsconfig import DEEPSPEED_DEFAULT_BUCKET, DsConfig
 from autotune.errors import ConfigError
 from autotune.proposers.base import Proposal
 from autotune.space import SearchSpace, TrialConfig, round_bucket
 from autotune.summary import TrialSummary
-
-DEEPSPEED_DEFAULT_BUCKET = 500_000_000
-"""reduce_bucket_size DeepSpeed uses when the config leaves it out (elements)."""
 
 
 def propose_moves(summary: TrialSummary, current: TrialConfig, space: SearchSpace,
