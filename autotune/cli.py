@@ -129,16 +129,16 @@ def _print_outcome(summary: dict, study: str) -> None:
     click.echo(f"wrote {study}/best_ds_config.json, {study}/summary.json, {study}/report.md")
 
 
-def _register_optional() -> None:
-    try:
-        from autotune.cli_advise import advise_command, check_command
-    except ImportError:
-        return
+def _register_commands() -> None:
+    # advise and check need only the base install: registered unconditionally, so a broken
+    # install is an ImportError at start-up, never a command that silently vanished.
+    from autotune.cli_advise import advise_command, check_command
+
     cli.add_command(advise_command, "advise")
     cli.add_command(check_command, "check")
 
 
-_register_optional()
+_register_commands()
 
 
 def main() -> None:

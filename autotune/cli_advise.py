@@ -17,9 +17,11 @@ from typing import Any
 import click
 
 from autotune.advisor import evaluate, load_rules, patch_config
+from autotune.advisor.findings import FIRED, Change, Evidence, Finding
 from autotune.advisor.report import print_table, to_json
-from autotune.dsconfig import load_ds_config
+from autotune.dsconfig import DsConfig, load_ds_config
 from autotune.errors import UserError
+from autotune.precision import requested_precisions
 
 
 def _user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -78,11 +80,15 @@ def advise_command(metrics: str, config_path: str | None, fmt: str, write_path: 
 @click.argument("config", type=click.Path(dir_okay=False))
 @click.option("--stages", type=click.IntRange(min=1), help="Pipeline stages (enables batch-layout rules).")
 @click.option("--world-size", type=click.IntRange(min=1), help="Total ranks (with --stages).")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default=None,
+              help="Also check that this machine's devices run the config's precision (fp16/bf16), "
+                   "as DeepSpeed's accelerator decides: auto = what `autotune run` would use here. "
+                   "Needs torch. [default: not checked; the config may be meant for other devices]")
 @_FORMAT
 @_RULES
 @_user_errors
-def check_command(config: str, stages: int | None, world_size: int | None, fmt: str,
-                  rule_files: tuple[str, ...]) -> None:
+def check_command(config: str, stages: int | None, world_size: int | None, device: str | None,
+                  fmt: str, rule_files: tuple[str, ...]) -> None:
     """Run the configuration rules on a ds_config.json alone. Exit 1 if a critical rule fires."""
     from autotune.advisor import check_config
 
@@ -91,12 +97,38 @@ def check_command(config: str, stages: int | None, world_size: int | None, fmt: 
     rules = load_rules(rule_files)
     cfg = load_ds_config(config)
     findings = check_config(cfg, stages=stages, world_size=world_size, rules=rules, name=Path(config).name)
+    notes = []
+    if device is not None:
+        findings = [*precision_findings(cfg, device, name=Path(config).name), *findings]
+    elif requested_precisions(cfg):
+        notes.append(f"{'/'.join(requested_precisions(cfg))} enabled: not checked against any device "
+                     "(add --device auto to ask this machine's, as `autotune run` does)")
     if fmt == "json":
         click.echo(to_json(findings, input=config, format="ds_config"))
     else:
-        print_table(findings, title=f"autotune check: {config}")
+        print_table(findings, title=f"autotune check: {config}", notes=notes)
     if any(f.fired and f.severity == "critical" for f in findings):
         raise SystemExit(1)
+
+
+def precision_findings(cfg: DsConfig, device: str, *, name: str) -> list[Finding]:
+    """A critical finding per precision the config enables and this machine's devices lack."""
+    from autotune.precision import probe_devices, unsupported_message
+
+    support = probe_devices(None if device == "auto" else device)
+    out = []
+    for precision in requested_precisions(cfg):
+        if support.supported.get(precision, True):
+            continue
+        message = unsupported_message(precision, support)
+        out.append(Finding(
+            rule_id="precision-unsupported", title=f"{precision} is not available on this device",
+            severity="critical", status=FIRED, subject=name, trial=None,
+            evidence=[Evidence(signal=f"config.{precision}.enabled", measured=1.0, op="==", threshold=1.0,
+                               devices=[support.device], detail=support.why_not.get(precision, ""))],
+            changes=[Change(kind="config", target=f"{precision}.enabled", current=True, new=False)],
+            expected_impact=1.0, explanation=message))
+    return out
 
 
 def _same_file(a: str, b: str) -> bool:

@@ -15,6 +15,8 @@ from typing import Any
 from autotune.display import ProgressDisplay
 from autotune.dsconfig import DEEPSPEED_DEFAULT_BUCKET, DsConfig, load_ds_config
 from autotune.errors import UserError
+from autotune.extras import require
+from autotune.precision import check_precision
 from autotune.space import SearchSpace, TrialConfig
 from autotune.study import Study
 from autotune.trial import TrialRunner, WorkloadOptions
@@ -244,11 +246,14 @@ def open_study(opts: RunOptions) -> tuple[Study, RunOptions]:
 
 
 def tune(opts: RunOptions, display: ProgressDisplay | None = None) -> TuneResult:
+    require("tune", what="autotune run")  # before any trial: not N launcher_missing failures
     validate(opts)
     base = load_base_config(opts)  # validate before touching the study folder
+    check_precision(base)  # a precision the devices lack would fail every trial alike
     study, opts = open_study(opts)
     try:
         base = load_base_config(opts)
+        check_precision(base)  # a resumed study runs its stored config: ask again, before writing
         space = build_space(opts, base)
         display = display or ProgressDisplay(budget=opts.budget)
         display.budget = opts.budget
@@ -285,12 +290,9 @@ def _store_meta(study: Study, opts: RunOptions, space: SearchSpace) -> None:
 
 
 def _rules_hooks():
-    """The advisor's moves (steer the hybrid) and fired-rule ids (for the report), when present."""
-    try:
-        from autotune.advisor.engine import evaluate
-        from autotune.advisor.moves import propose_moves
-    except ImportError:
-        return None, None
+    """The advisor's moves (steer the hybrid) and fired-rule ids (for the report)."""
+    from autotune.advisor.engine import evaluate
+    from autotune.advisor.moves import propose_moves
 
     def fired(summary) -> list[str]:
         return sorted({f.rule_id for f in evaluate([summary]) if getattr(f, "fired", True)})

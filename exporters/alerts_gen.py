@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-TOML_PATH = ROOT / "rules" / "builtin.toml"
+TOML_PATH = ROOT / "autotune" / "data" / "builtin_rules.toml"  # rules/builtin.toml links here
 ALERTS_PATH = ROOT / "rules" / "prometheus" / "alerts.yml"
 TESTS_PATH = ROOT / "rules" / "prometheus" / "alerts_test.yml"
 FOR = "1m"

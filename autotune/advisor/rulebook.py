@@ -7,10 +7,12 @@ file and the rule, so a user's typo never turns into a traceback.
 
 from __future__ import annotations
 
+import importlib.resources
 import math
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from importlib.resources.abc import Traversable
 from pathlib import Path
 
 from autotune.advisor.conditions import (
@@ -28,8 +30,9 @@ try:  # Python 3.11+
 except ModuleNotFoundError:  # pragma: no cover - Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
-BUILTIN_RULES = Path(__file__).resolve().parents[2] / "rules" / "builtin.toml"
-"""rules/builtin.toml at the repository root (the product card puts rules in rules/)."""
+BUILTIN_RULES = importlib.resources.files("autotune") / "data" / "builtin_rules.toml"
+"""Shipped inside the package (wheel and sdist alike); `rules/builtin.toml` at the repository
+root, where people read and edit the rules, is a link to this file."""
 
 SEVERITIES = ("critical", "warning", "info")
 TRIAL_PARAMS = ("micro_batch_size", "gradient_accumulation_steps", "reduce_bucket_size")
@@ -93,7 +96,7 @@ class Rule:
 
 def load_rules(paths: Iterable[str | Path] = (), *, builtin: bool = True) -> list[Rule]:
     """Built-in rules (unless `builtin=False`) followed by each user file; a later id replaces an earlier one."""
-    files = ([BUILTIN_RULES] if builtin else []) + [Path(p) for p in paths]
+    files: list[Path | Traversable] = ([BUILTIN_RULES] if builtin else []) + [Path(p) for p in paths]
     rules: dict[str, Rule] = {}
     for f in files:
         for rule in load_rule_file(f):
@@ -102,8 +105,8 @@ def load_rules(paths: Iterable[str | Path] = (), *, builtin: bool = True) -> lis
     return list(rules.values())
 
 
-def load_rule_file(path: str | Path) -> list[Rule]:
-    p = Path(path)
+def load_rule_file(path: str | Path | Traversable) -> list[Rule]:
+    p = path if isinstance(path, Traversable) else Path(path)
     try:
         data = tomllib.loads(p.read_text(encoding="utf-8"))
     except FileNotFoundError:

@@ -16,11 +16,9 @@ DEFAULT = "hybrid"
 
 
 def default_moves() -> MovesFn | None:
-    """`autotune.advisor.moves.propose_moves` when the rule engine is installed, else None."""
-    try:
-        from autotune.advisor.moves import propose_moves
-    except ImportError:
-        return None
+    """The rule engine's `propose_moves` (the advisor ships with every install)."""
+    from autotune.advisor.moves import propose_moves
+
     return propose_moves
 
 
