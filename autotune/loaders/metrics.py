@@ -136,6 +136,11 @@ def _validate(path: str | Path, cols: Columns) -> None:
             raise InputFileError(f"{path}: line {int(np.argmax(np.isinf(cols[c]))) + 2}: column {c} is infinite")
 
 
+def _int_or_zero(value: float) -> int:
+    """An optional integer cell: empty (NaN) means not recorded, read as 0 as the row-wise summary does."""
+    return int(value) if math.isfinite(value) else 0
+
+
 def summarize_columns(cols: Columns, source: str = "metrics") -> list[TrialSummary]:
     """Column-wise twin of `autotune.summary.summarize` (same definitions, numpy speed)."""
     cols = {k: v for k, v in cols.items() if k in SUMMARY_COLUMNS}
@@ -241,7 +246,7 @@ def _summarize_trial(c: Columns, source: str) -> TrialSummary | None:
         samples_per_second=median_sps,
         samples_per_second_p10=float(np.quantile(sps, 0.1)),
         samples_per_second_p90=float(np.quantile(sps, 0.9)),
-        tokens_per_second=median_sps * int(first.get("seq_length", 0) or 0),
+        tokens_per_second=median_sps * _int_or_zero(first.get("seq_length", math.nan)),
         step_seconds=float(np.median(step_secs)),
         step_time_jitter=float(np.std(step_secs) / mean_step) if step_secs.size > 1 and mean_step > 0 else 0.0,
         device_utilization_mean=float(np.mean(means)),
