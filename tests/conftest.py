@@ -1,11 +1,56 @@
 """Shared test configuration.
 
+The suite runs against the installed package (`scripts/setup` installs it as a user
+would, not as an editable link), so what is tested is what a wheel ships. The
+repository root is appended to sys.path, after site-packages, only so that tests can
+import `benchmarks` and `grafana` helpers; `autotune` and `exporters` still come from
+the installation. A stale installation (source edited since) stops the run with the
+command that refreshes it, instead of testing old code.
+
 Hypothesis runs derandomized: the same examples every run, so CI cannot fail
 on a case nobody can reproduce. `benchmarks/fuzz_loaders.py` explores fresh
 random cases (10,000+) instead.
 """
 
+from __future__ import annotations
+
+import filecmp
+import sys
+from pathlib import Path
+
+import pytest
 from hypothesis import settings
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.append(str(REPO))
 
 settings.register_profile("autotune", derandomize=True, deadline=None)
 settings.load_profile("autotune")
+
+
+def _stale_files() -> list[str]:
+    """Source files whose installed copy differs or is missing (empty for an editable install)."""
+    import autotune
+    import exporters
+
+    stale = []
+    for pkg in (autotune, exporters):
+        installed = Path(pkg.__file__).resolve().parent
+        source = REPO / installed.name
+        if installed == source:
+            continue
+        for f in source.rglob("*"):
+            if f.is_file() and f.suffix in (".py", ".toml") and "__pycache__" not in f.parts:
+                twin = installed / f.relative_to(source)
+                if not twin.is_file() or not filecmp.cmp(f, twin, shallow=False):
+                    stale.append(str(f.relative_to(REPO)))
+    return stale
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    stale = _stale_files()
+    if stale:
+        shown = ", ".join(stale[:3]) + (f" and {len(stale) - 3} more" if len(stale) > 3 else "")
+        pytest.exit(f"the installed autotune is older than the source ({shown}): run ./scripts/setup "
+                    "(or ./scripts/test, which runs it) to install it again", returncode=4)

@@ -11,7 +11,7 @@ import time
 import warnings
 
 import pytest
-from prom_helpers import REPO, scrape, synthetic_records, taken_port
+from prom_helpers import scrape, synthetic_records, taken_port
 from prometheus_client.parser import text_string_to_metric_families
 
 from exporters.endpoint import MetricsEndpointWarning
@@ -66,12 +66,12 @@ def test_records_written_in_the_training_process_are_served_by_the_child(capsys)
 
 def test_the_child_ends_when_the_training_process_dies(tmp_path):
     code = (
-        "import sys, time; sys.path.insert(0, sys.argv[1])\n"
+        "import sys, time\n"
         "from exporters.sidecar import SidecarExporter\n"
         "e = SidecarExporter(labels={'job': 'x'}); e.serve(port=0)\n"
         "print('child', e._proc.pid, flush=True); time.sleep(60)\n"
     )
-    parent = subprocess.Popen([sys.executable, "-c", code, str(REPO)], stdout=subprocess.PIPE, text=True)
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
         line = wait_for(lambda: next((x for x in iter(parent.stdout.readline, "") if x.startswith("child")), None))
         child = int(line.split()[1])
