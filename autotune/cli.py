@@ -136,6 +136,9 @@ def _register_commands() -> None:
 
     cli.add_command(advise_command, "advise")
     cli.add_command(check_command, "check")
+    from autotune.cli_report import report_command
+
+    cli.add_command(report_command, "report")
 
 
 _register_commands()

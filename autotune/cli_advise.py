@@ -49,10 +49,12 @@ _RULES = click.option("--rules", "rule_files", multiple=True, type=click.Path(di
 @_FORMAT
 @click.option("--write-config", "write_path", type=click.Path(dir_okay=False),
               help="Write the config with the proposed changes applied (needs --config).")
+@click.option("--html", "html_path", type=click.Path(dir_okay=False),
+              help="Also write an HTML page (figures beside it in OUT-stem_figures/); needs autotune[report].")
 @_RULES
 @_user_errors
 def advise_command(metrics: str, config_path: str | None, fmt: str, write_path: str | None,
-                   rule_files: tuple[str, ...]) -> None:
+                   html_path: str | None, rule_files: tuple[str, ...]) -> None:
     """Recommendations from METRICS: an autotune metrics CSV, nvidia-smi CSV or Prometheus export."""
     from autotune.loaders import load_input
 
@@ -60,6 +62,10 @@ def advise_command(metrics: str, config_path: str | None, fmt: str, write_path: 
         raise UserError("--write-config needs --config (the ds_config.json to patch)")
     if write_path and config_path and _same_file(write_path, config_path):
         raise UserError(f"--write-config {write_path} would overwrite the input config; choose a new file")
+    if html_path:  # before anything is written: matplotlib there, OUT not one of the inputs
+        from autotune.report_html import check_html_target
+
+        check_html_target(html_path, [p for p in (metrics, config_path, write_path) if p])
     rules = load_rules(rule_files)
     loaded = load_input(metrics)
     cfg = load_ds_config(config_path) if config_path else None
@@ -67,13 +73,21 @@ def advise_command(metrics: str, config_path: str | None, fmt: str, write_path: 
     findings = evaluate(loaded.subjects, ds_config=cfg, rules=rules, context=ctx)
     if write_path and cfg is not None:
         _write_json_atomic(Path(write_path), patch_config(cfg, findings))
+    if html_path:
+        from autotune.report_html import write_metrics_report
+
+        page = write_metrics_report(html_path, metrics, loaded, findings).page
     if fmt == "json":
         click.echo(to_json(findings, input=metrics, format=loaded.format, notes=loaded.notes,
                            written_config=write_path))
+        if html_path:
+            click.echo(f"wrote {page}", err=True)
     else:
         print_table(findings, title=f"autotune advise: {metrics} ({loaded.format})", notes=loaded.notes)
         if write_path:
             click.echo(f"\nwrote patched config to {write_path}")
+        if html_path:
+            click.echo(f"\nwrote {page}")
 
 
 @click.command("check")

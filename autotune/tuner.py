@@ -103,7 +103,11 @@ class Tuner:
                                   "stopped; the study is consistent and the best configuration so far "
                                   "is written. Resume with --resume.")
                 return TuneResult(summary=summary, interrupted=True, exit_code=128 + int(signum))
-        return TuneResult(summary=self._write())
+        summary = self._write()
+        from autotune.report_html import at_end_of_run
+
+        at_end_of_run(self.study, self.display.note)  # report.html, or one note saying why not
+        return TuneResult(summary=summary)
 
     def _marker(self, number: int) -> str:
         """What every process of trial `number` has on its command line."""

@@ -1,0 +1,400 @@
+"""Everything the HTML report shows, gathered from a study or a metrics file, read-only.
+
+Nothing here draws or writes. A study folder is opened through a read-only SQLite
+connection after the same checks `Study.open` makes (a folder that is not a valid
+study, or a study of another format, is refused with one line before anything is
+touched). Per-step data comes from each trial's `metrics-rank*.csv` through the
+project's own readers; what cannot be read becomes a sentence in `missing`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import sqlite3
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from autotune.errors import InputFileError, StudyError
+from autotune.schema import StepRecord
+from autotune.space import TrialConfig
+from autotune.study import (
+    DB_NAME,
+    STATUS_INTERRUPTED,
+    STATUS_OK,
+    STATUS_RUNNING,
+    STUDY_FORMAT,
+    Study,
+    TrialRow,
+    _probe_readonly,
+)
+from autotune.summary import TrialSummary, ideal_bubble_fraction
+
+KNOB_LABELS = {
+    "micro_batch_size": "micro-batch size",
+    "gradient_accumulation_steps": "gradient accumulation steps",
+    "reduce_bucket_size": "reduce_bucket_size (elements)",
+}
+
+
+@dataclass(kw_only=True, slots=True)
+class RankSteps:
+    """One rank's measured steps (warm-up excluded), in step order."""
+
+    rank: int
+    stage: int
+    device: str
+    step: list[int]
+    utilization: list[float]
+    step_seconds: list[float]
+    compute_seconds: list[float]
+    comm_seconds: list[float]
+    wait_seconds: list[float]
+    data_seconds: list[float]
+
+
+@dataclass(kw_only=True, slots=True)
+class StageSplit:
+    """Mean seconds per step of one pipeline stage (over its ranks and measured steps)."""
+
+    stage: int
+    step: float
+    compute: float
+    communication: float
+    waiting: float
+    data: float
+    ideal_bubble: float
+    """(p-1)/(m+p-1) of the stage's step time: the idle time 1F1B cannot avoid."""
+
+    @property
+    def other(self) -> float:
+        return max(0.0, self.step - self.compute - self.communication - self.waiting - self.data)
+
+
+@dataclass(kw_only=True, slots=True)
+class StepData:
+    """A trial's per-step data: what the split and utilization figures draw."""
+
+    trial: int
+    ranks: list[RankSteps]
+    stages: list[StageSplit]
+
+
+@dataclass(kw_only=True, slots=True)
+class StudyReport:
+    root: Path
+    settings: dict[str, Any]
+    space: dict[str, Any]
+    workload: dict[str, Any]
+    trials: list[TrialRow]
+    """Every row, interrupted attempts included, in the order they started."""
+    counted: list[TrialRow]
+    """Finished trials (ok or failed), one per number: what the budget counts."""
+    baseline: TrialRow | None
+    best: TrialRow | None
+    """The best configuration's latest trial; samples_per_second is its mean, `repeats` its count."""
+    measurements: dict[tuple, list[float]]
+    """Configuration key -> samples/s of every successful trial of it."""
+    knobs: list[str]
+    """TrialConfig fields the study varied (or searched)."""
+    steps: dict[int, StepData]
+    """Per-step data of the baseline and the best trial, where their CSVs could be read."""
+    findings: list[Any]
+    """The advisor's fired findings on the best trial's summary."""
+    config_diff: list[str]
+    """Unified diff of the best trial's ds_config.json against the baseline's."""
+    missing: list[str] = field(default_factory=list)
+    """What the page cannot show, in words."""
+
+    @property
+    def ok(self) -> list[TrialRow]:
+        return [t for t in self.counted if t.status == STATUS_OK and t.samples_per_second]
+
+    @property
+    def interrupted(self) -> list[TrialRow]:
+        return [t for t in self.trials if t.status in (STATUS_INTERRUPTED, STATUS_RUNNING)]
+
+    @property
+    def speedup(self) -> float | None:
+        if self.best and self.baseline and self.baseline.status == STATUS_OK and self.baseline.samples_per_second:
+            return (self.best.samples_per_second or 0.0) / self.baseline.samples_per_second
+        return None
+
+
+@dataclass(kw_only=True, slots=True)
+class MetricsReport:
+    """`advise --html`: one metrics file."""
+
+    source: Path
+    format: str
+    summaries: list[TrialSummary]
+    steps: dict[int, StepData]
+    findings: list[Any]
+    insufficient: list[Any]
+    notes: list[str]
+    missing: list[str] = field(default_factory=list)
+
+
+# -- opening a study read-only -------------------------------------------------------
+def open_study_readonly(root: str | Path) -> Study:
+    """A Study on a read-only connection; StudyError (one line) unless `root` is a valid study.
+
+    The checks are those of `Study.open`, made before the database is opened for reading;
+    the connection cannot write, and no lock or column is added.
+    """
+    root = Path(root)
+    db = root / DB_NAME
+    if not root.is_dir():
+        raise StudyError(f"{root}: no such study folder")
+    if not db.is_file():
+        raise StudyError(f"{root}: holds no {DB_NAME}; it is not an autotune study")
+    _probe_readonly(db)
+    try:
+        conn = sqlite3.connect(f"{db.resolve().as_uri()}?mode=ro", uri=True, timeout=30)
+        study = Study(root, conn)
+        fmt = study.get_meta("format")
+        if fmt is None:
+            raise StudyError(f"{db}: not an autotune study database (no format recorded)")
+        if fmt != str(STUDY_FORMAT):
+            raise StudyError(f"{root}: study format {fmt}, this autotune reads format {STUDY_FORMAT}; "
+                             "upgrade autotune to report on it")
+        study.trials()  # every column this version reads is there
+    except sqlite3.Error as exc:
+        conn.close()
+        raise StudyError(f"{db}: not readable as an autotune study ({exc})") from None
+    except StudyError:
+        conn.close()
+        raise
+    return study
+
+
+# -- a study -----------------------------------------------------------------------
+def gather_study(study: Study) -> StudyReport:
+    """Read everything the page shows; never raises for missing trial files."""
+    trials = study.trials()
+    counted = study.counted()
+    baseline = next((t for t in counted if t.number == 0), None)
+    best = study.best()
+    measurements: dict[tuple, list[float]] = {}
+    for t in trials:
+        if t.status == STATUS_OK and t.samples_per_second:
+            measurements.setdefault(t.config.key(), []).append(t.samples_per_second)
+    space = _meta(study, "space")
+    report = StudyReport(
+        root=study.root, settings=_meta(study, "settings"), space=space,
+        workload=_meta(study, "workload"), trials=trials, counted=counted, baseline=baseline,
+        best=best, measurements=measurements, knobs=_knobs(trials, space), steps={},
+        findings=[], config_diff=[],
+    )
+    _explain_missing(report)
+    wanted = [t for t in (baseline, best) if t is not None and t.status == STATUS_OK]
+    for t in wanted:
+        if t.number in report.steps:
+            continue
+        data, problem = _trial_steps(study.trial_dir(t.number), t.number)
+        if data is not None:
+            report.steps[t.number] = data
+        else:
+            report.missing.append(problem)
+    if best is not None:
+        report.findings, problem = _findings(best)
+        if problem:
+            report.missing.append(problem)
+        report.config_diff, problem = _config_diff(study, baseline, best)
+        if problem:
+            report.missing.append(problem)
+    return report
+
+
+def _meta(study: Study, key: str) -> dict[str, Any]:
+    try:
+        value = study.get_meta_json(key)
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _knobs(trials: list[TrialRow], space: dict[str, Any]) -> list[str]:
+    names = [f.name for f in dataclasses.fields(TrialConfig)]
+    out = []
+    for name in names:
+        values = {getattr(t.config, name) for t in trials}
+        searched = name != "reduce_bucket_size" or space.get("bucket_range") is not None
+        if len(values - {None}) > 1 or (searched and values - {None}):
+            out.append(name)
+    return out
+
+
+def _explain_missing(r: StudyReport) -> None:
+    if not r.trials:
+        r.missing.append("No trial has started in this study yet: there is nothing to draw.")
+        return
+    if not r.counted:
+        r.missing.append("No trial has finished yet (only interrupted or running ones): "
+                         "there is no throughput to draw.")
+    elif not r.ok:
+        reasons = sorted({t.failure_reason or "unknown" for t in r.counted})
+        r.missing.append(f"Every finished trial failed ({', '.join(reasons)}): there is no throughput, "
+                         "time split or utilization to draw; the trial table gives each failure.")
+    elif len(r.ok) == 1:
+        r.missing.append("Only one trial succeeded: the convergence and knob figures need at least "
+                         "two successful trials to compare.")
+    if r.counted and (r.baseline is None or r.baseline.status != STATUS_OK):
+        why = "did not finish" if r.baseline is None else f"failed ({r.baseline.failure_reason})"
+        r.missing.append(f"The baseline (trial 0) {why}: there is no reference, so no gain is given.")
+    if r.interrupted:
+        nums = sorted({t.number for t in r.interrupted})
+        rerun = [n for n in nums if any(c.number == n for c in r.counted)]
+        open_ = [n for n in nums if n not in rerun]
+        text = f"Resumed study: {len(r.interrupted)} interrupted attempt(s) of trial(s) {_nums(nums)}"
+        if rerun:
+            text += f"; {_nums(rerun)} ran again and count once"
+        if open_:
+            text += f"; {_nums(open_)} not run again yet (resume the study to finish them)"
+        r.missing.append(text + ".")
+    budget = r.settings.get("budget")
+    if isinstance(budget, int) and r.counted and len(r.counted) < budget:
+        r.missing.append(f"The study has {len(r.counted)} of its {budget} budgeted trials: "
+                         "it was stopped early or is still running.")
+
+
+def _nums(nums: list[int]) -> str:
+    return ", ".join(str(n) for n in nums)
+
+
+def _trial_steps(trial_dir: Path, number: int) -> tuple[StepData | None, str]:
+    from autotune.metrics_csv import read_metrics_csv
+
+    files = sorted(trial_dir.glob("metrics-rank*.csv"))
+    rel = f"{trial_dir.name}/metrics-rank*.csv"
+    if not files:
+        return None, (f"Trial {number}'s per-rank metrics ({rel}) are missing: its time split and "
+                      "utilization over the steps cannot be drawn (its stored summary is still used).")
+    try:
+        records = [r for p in files for r in read_metrics_csv(p)]
+    except InputFileError as exc:
+        return None, f"Trial {number}'s per-rank metrics cannot be read ({exc}): no time split or utilization for it."
+    data = steps_from_records(records, number)
+    if data is None:
+        return None, f"Trial {number}'s per-rank metrics ({rel}) hold no measured step."
+    return data, ""
+
+
+def steps_from_records(records: list[StepRecord], trial: int) -> StepData | None:
+    by_rank: dict[int, list[StepRecord]] = {}
+    for r in records:
+        if r.trial == trial and not r.warmup:
+            by_rank.setdefault(r.rank, []).append(r)
+    if not by_rank:
+        return None
+    ranks = []
+    for rank in sorted(by_rank):
+        rows = sorted(by_rank[rank], key=lambda r: r.step)
+        ranks.append(RankSteps(
+            rank=rank, stage=rows[0].stage, device=rows[0].device, step=[r.step for r in rows],
+            utilization=[r.device_utilization for r in rows],
+            step_seconds=[r.step_seconds for r in rows], compute_seconds=[r.compute_seconds for r in rows],
+            comm_seconds=[r.comm_seconds for r in rows], wait_seconds=[r.wait_seconds for r in rows],
+            data_seconds=[r.data_seconds for r in rows]))
+    first = by_rank[min(by_rank)][0]
+    return StepData(trial=trial, ranks=ranks,
+                    stages=_stage_split(ranks, first.pipeline_stages, first.gradient_accumulation_steps))
+
+
+def steps_from_columns(cols: dict[str, Any], trial: int) -> StepData | None:
+    """The same StepData from the columnar reader of `autotune.loaders.metrics`."""
+    import numpy as np
+
+    sel = (cols["trial"] == trial) & (cols["warmup"] == 0)
+    if not sel.any():
+        return None
+    c = {k: v[sel] for k, v in cols.items()}
+    ranks = []
+    for rank in np.unique(c["rank"]):
+        m = c["rank"] == rank
+        order = np.argsort(c["step"][m], kind="stable")
+
+        def col(name: str, m=m, order=order) -> list[float]:
+            return [float(x) for x in np.nan_to_num(c[name][m][order])] if name in c else [0.0] * int(m.sum())
+
+        ranks.append(RankSteps(
+            rank=int(rank), stage=int(c["stage"][m][0]), device="", step=[int(s) for s in col("step")],
+            utilization=col("device_utilization"), step_seconds=col("step_seconds"),
+            compute_seconds=col("compute_seconds"), comm_seconds=col("comm_seconds"),
+            wait_seconds=col("wait_seconds"), data_seconds=col("data_seconds")))
+    return StepData(trial=trial, ranks=ranks, stages=_stage_split(
+        ranks, int(c["pipeline_stages"][0]), int(c["gradient_accumulation_steps"][0])))
+
+
+def _stage_split(ranks: list[RankSteps], stages: int, gas: int) -> list[StageSplit]:
+    ideal = ideal_bubble_fraction(max(1, stages), max(1, gas))
+    out = []
+    for stage in sorted({r.stage for r in ranks}):
+        rs = [r for r in ranks if r.stage == stage]
+
+        def mean(name: str, rs: list[RankSteps] = rs) -> float:
+            return statistics.fmean(v for r in rs for v in getattr(r, name))
+
+        step = mean("step_seconds")
+        out.append(StageSplit(stage=stage, step=step, compute=mean("compute_seconds"),
+                              communication=mean("comm_seconds"), waiting=mean("wait_seconds"),
+                              data=mean("data_seconds"), ideal_bubble=ideal * step))
+    return out
+
+
+def _findings(best: TrialRow) -> tuple[list[Any], str]:
+    if not best.summary:
+        return [], f"Trial {best.number} has no stored summary: the rules cannot be evaluated on it."
+    try:
+        from autotune.advisor import evaluate
+
+        summary = TrialSummary.from_dict(best.summary)
+        return [f for f in evaluate([summary]) if f.fired], ""
+    except (TypeError, ValueError, KeyError, InputFileError) as exc:
+        return [], f"The rules could not be evaluated on trial {best.number}'s summary ({exc})."
+
+
+def _config_diff(study: Study, baseline: TrialRow | None, best: TrialRow) -> tuple[list[str], str]:
+    if baseline is None:
+        return [], "No baseline trial: the best configuration cannot be compared with the starting one."
+    if baseline.number == best.number or baseline.config == best.config:
+        return [], ""
+    a, b = study.trial_dir(baseline.number) / "ds_config.json", study.trial_dir(best.number) / "ds_config.json"
+    texts = []
+    for p in (a, b):
+        try:
+            texts.append(json.dumps(json.loads(p.read_text(encoding="utf-8")), indent=2, sort_keys=True))
+        except (OSError, ValueError):
+            return [], (f"{p.parent.name}/ds_config.json is missing or unreadable: the configuration "
+                        "diff is given as knob values only.")
+    return list(difflib.unified_diff(texts[0].splitlines(), texts[1].splitlines(),
+                                     fromfile=f"trial {baseline.number} (baseline) ds_config.json",
+                                     tofile=f"trial {best.number} (best) ds_config.json", lineterm="", n=1)), ""
+
+
+# -- a metrics file (advise --html) ----------------------------------------------------
+def gather_metrics(path: str | Path, findings: list[Any], fmt: str, notes: list[str],
+                   subjects: list[Any]) -> MetricsReport:
+    """The page's data for a file `advise` already loaded and evaluated."""
+    from autotune.loaders.detect import METRICS
+
+    path = Path(path)
+    summaries = [s for s in subjects if isinstance(s, TrialSummary)]
+    report = MetricsReport(source=path, format=fmt, summaries=summaries, steps={},
+                           findings=[f for f in findings if f.fired],
+                           insufficient=[f for f in findings if not f.fired], notes=list(notes))
+    if fmt != METRICS:
+        report.missing.append(f"A {fmt} file carries no per-step, per-rank timing: utilization over the "
+                              "steps and the step split are drawn for autotune metrics CSVs only.")
+        return report
+    from autotune.loaders.metrics import read_columns
+
+    cols = read_columns(path)
+    for s in summaries:
+        data = steps_from_columns(cols, s.trial)
+        if data is not None:
+            report.steps[s.trial] = data
+    return report
