@@ -6,7 +6,7 @@ import click
 
 
 @click.command("report")
-@click.argument("study", type=click.Path(file_okay=False))
+@click.argument("study", type=click.Path())
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
               help="Folder for report.html and figures/ [default: the study folder].")
 def report_command(study: str, out_dir: str | None) -> None:

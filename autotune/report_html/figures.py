@@ -61,6 +61,12 @@ def _finish(plt: Any, fig: Any, name: str, title: str, caption: str) -> Figure:
     return Figure(name=name, title=title, caption=caption, png=png.getvalue(), svg=svg.getvalue())
 
 
+def _headroom(ax: Any, values: Sequence[float | None]) -> None:
+    """From 0 to a little above the highest point, so markers and rings are never cut."""
+    top = max((v for v in values if v), default=1.0)
+    ax.set_ylim(0, top * 1.15)
+
+
 def _source_colors(sources: Sequence[str]) -> dict[str, str]:
     order = ["baseline"] + sorted(set(sources) - {"baseline"})
     return {s: SOURCE_COLORS[i % len(SOURCE_COLORS)] for i, s in enumerate(order)}
@@ -89,7 +95,7 @@ def convergence(r: StudyReport) -> Figure:
         ax.step(xs, ys, where="post", color="#222222", linewidth=1.6, label="best so far", zorder=2)
     if r.baseline is not None and r.baseline.status == STATUS_OK and r.baseline.samples_per_second:
         ax.axhline(r.baseline.samples_per_second, color="#777777", linestyle="--", linewidth=1,
-                   label=f"baseline {r.baseline.samples_per_second:.0f}")
+                   label=f"baseline ({r.baseline.samples_per_second:.0f} samples/s)")
     failed = [t for t in r.counted if t.status == STATUS_FAILED]
     if failed:
         low = min((t.samples_per_second for t in ok), default=1.0) * 0.0
@@ -99,7 +105,7 @@ def convergence(r: StudyReport) -> Figure:
             ax.annotate(t.failure_reason or "failed", (t.number, low), xytext=(0, 7),
                         textcoords="offset points", rotation=90, fontsize=7, color=FAILED_COLOR,
                         ha="center", va="bottom")
-    ax.set_ylim(bottom=0)
+    _headroom(ax, [t.samples_per_second for t in ok])
     ax.set_xlabel("trial")
     ax.set_ylabel("samples/s")
     ax.xaxis.get_major_locator().set_params(integer=True)
@@ -136,14 +142,15 @@ def knob(r: StudyReport, name: str) -> Figure:
         ax.set_xticks(values)
         ax.set_xticklabels([str(v) for v in values])
         ax.minorticks_off()
-    ax.set_ylim(bottom=0)
+    _headroom(ax, [t.samples_per_second for t in ok])
     ax.set_xlabel(KNOB_LABELS.get(name, name))
     ax.set_ylabel("samples/s")
     if ax.get_legend_handles_labels()[0]:
         ax.legend(loc="best")
     label = KNOB_LABELS.get(name, name)
     return _finish(plt, fig, f"knob-{name}", f"Throughput against {label}",
-                   f"Every successful trial at its {label}; the ring is the best configuration.")
+                   f"Every successful trial at its {label}, coloured by who proposed it (as above); the ring is "
+                   "the best configuration, crosses on the axis are failed trials.")
 
 
 def stage_split(data: StepData, title: str, name: str, xmax: float | None = None) -> Figure:

@@ -29,7 +29,6 @@ from autotune.study import (
     STUDY_FORMAT,
     Study,
     TrialRow,
-    _probe_readonly,
 )
 from autotune.summary import TrialSummary, ideal_bubble_fraction
 
@@ -142,33 +141,56 @@ class MetricsReport:
 def open_study_readonly(root: str | Path) -> Study:
     """A Study on a read-only connection; StudyError (one line) unless `root` is a valid study.
 
-    The checks are those of `Study.open`, made before the database is opened for reading;
-    the connection cannot write, and no lock or column is added.
+    The checks are those of `Study.open`, made first on an immutable view of the database
+    file, which creates nothing beside it (a plain read-only open of a WAL database would
+    create its -shm and -wal files): a refused folder is left exactly as it was. Only a
+    valid study is then opened for reading (read-only, no lock, no column added), so that
+    trials a running controller has committed to its WAL are seen too.
     """
     root = Path(root)
     db = root / DB_NAME
     if not root.is_dir():
-        raise StudyError(f"{root}: no such study folder")
+        raise StudyError(f"{root}: {'not a folder' if root.exists() else 'no such study folder'}")
     if not db.is_file():
         raise StudyError(f"{root}: holds no {DB_NAME}; it is not an autotune study")
-    _probe_readonly(db)
+    wal = db.with_name(DB_NAME + "-wal")
+    if not (wal.is_file() and wal.stat().st_size > 0):  # else the WAL holds what the file lacks
+        probe = _connect_ro(db, immutable=True)
+        _check(db, probe, root)
+        probe.close()
+    conn = _connect_ro(db, immutable=False)
+    _check(db, conn, root)
+    return Study(root, conn)
+
+
+def _connect_ro(db: Path, *, immutable: bool) -> sqlite3.Connection:
+    uri = f"{db.resolve().as_uri()}?mode=ro" + ("&immutable=1" if immutable else "")
     try:
-        conn = sqlite3.connect(f"{db.resolve().as_uri()}?mode=ro", uri=True, timeout=30)
-        study = Study(root, conn)
-        fmt = study.get_meta("format")
-        if fmt is None:
+        return sqlite3.connect(uri, uri=True, timeout=30)
+    except sqlite3.Error as exc:
+        raise StudyError(f"{db}: cannot open ({exc})") from None
+
+
+def _check(db: Path, conn: sqlite3.Connection, root: Path) -> None:
+    """Our tables, our format, every column this version reads; closes `conn` when refusing."""
+    try:
+        names = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+        if not {"meta", "trials"} <= names:
+            raise StudyError(f"{db}: not an autotune study database" if names else
+                             f"{db}: empty study database (the controller died while creating it)")
+        row = conn.execute("SELECT value FROM meta WHERE key = 'format'").fetchone()
+        if row is None:
             raise StudyError(f"{db}: not an autotune study database (no format recorded)")
-        if fmt != str(STUDY_FORMAT):
-            raise StudyError(f"{root}: study format {fmt}, this autotune reads format {STUDY_FORMAT}; "
-                             "upgrade autotune to report on it")
-        study.trials()  # every column this version reads is there
+        if row[0] != str(STUDY_FORMAT):
+            raise StudyError(f"{root}: study format {row[0]}, this autotune reads format {STUDY_FORMAT}; "
+                             "a newer autotune wrote it: report on it with that version")
+        Study(root, conn).trials()
     except sqlite3.Error as exc:
         conn.close()
         raise StudyError(f"{db}: not readable as an autotune study ({exc})") from None
     except StudyError:
         conn.close()
         raise
-    return study
 
 
 # -- a study -----------------------------------------------------------------------
