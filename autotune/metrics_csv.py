@@ -1,15 +1,16 @@
-"""Read and write the project's own metrics CSV (schema in autotune.schema)."""
+"""Write the project's own metrics CSV (schema in autotune.schema), one row per step.
+
+Reading it is `autotune.loaders.metrics`' job; `read_metrics_csv` only forwards there.
+"""
 
 from __future__ import annotations
 
 import csv
 import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import TextIO
 
-from autotune.errors import InputFileError
-from autotune.schema import CSV_COLUMNS, REQUIRED_COLUMNS, StepRecord, record_to_row, row_to_record
+from autotune.schema import CSV_COLUMNS, StepRecord, record_to_row
 
 
 class CsvSink:
@@ -35,29 +36,7 @@ class CsvSink:
 
 
 def read_metrics_csv(path: str | Path) -> list[StepRecord]:
-    return list(iter_metrics_csv(path))
+    """A metrics CSV as StepRecords: the one reader (`autotune.loaders.metrics`), not a second one."""
+    from autotune.loaders.metrics import read_records
 
-
-def iter_metrics_csv(path: str | Path) -> Iterator[StepRecord]:
-    p = Path(path)
-    try:
-        fh = open(p, newline="", encoding="utf-8")
-    except OSError as exc:
-        raise InputFileError(f"{p}: cannot open ({exc.strerror})") from None
-    with fh:
-        reader = csv.DictReader(fh)
-        try:
-            header = reader.fieldnames or []
-        except (UnicodeDecodeError, csv.Error):
-            raise InputFileError(f"{p}: not a UTF-8 CSV file") from None
-        missing = [c for c in REQUIRED_COLUMNS if c not in header]
-        if missing:
-            raise InputFileError(f"{p}: not an autotune metrics CSV, missing columns: {', '.join(missing)}")
-        line = 1
-        try:
-            for line, row in enumerate(reader, start=2):  # noqa: B007 - used in the error
-                yield row_to_record(row)
-        except (ValueError, TypeError, OverflowError) as exc:
-            raise InputFileError(f"{p}: line {line}: bad value ({exc})") from None
-        except (UnicodeDecodeError, csv.Error) as exc:
-            raise InputFileError(f"{p}: line {line}: unreadable ({exc.__class__.__name__})") from None
+    return read_records(path)

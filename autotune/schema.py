@@ -95,7 +95,8 @@ REQUIRED_COLUMNS: tuple[str, ...] = (
 _INT_COLUMNS = {
     f.name for f in dataclasses.fields(StepRecord) if f.type in ("int", "int | None")
 }
-_STR_COLUMNS = {"device", "host"}
+TEXT_COLUMNS = ("device", "host")
+"""The only non-numeric columns."""
 
 
 def format_cell(value: object) -> str:
@@ -113,21 +114,22 @@ def record_to_row(record: StepRecord) -> list[str]:
     return [format_cell(getattr(record, name)) for name in CSV_COLUMNS]
 
 
-def row_to_record(row: dict[str, str]) -> StepRecord:
-    """Parse one CSV row (as csv.DictReader gives it) back into a StepRecord."""
-    values: dict[str, object] = {}
-    for name in CSV_COLUMNS:
-        cell = row.get(name, "")
-        cell = "" if cell is None else cell.strip()
-        if name in _STR_COLUMNS:
-            values[name] = cell
-        elif cell == "":
-            values[name] = None
+def record_from_values(values: dict[str, object]) -> StepRecord:
+    """A StepRecord from parsed cells (floats, NaN or None for empty; text for device/host)."""
+    out: dict[str, object] = {}
+    for name, v in values.items():
+        if name not in _FIELDS:
+            continue
+        if name in TEXT_COLUMNS:
+            out[name] = "" if v is None else str(v)
+        elif v is None or (isinstance(v, float) and math.isnan(v)):
+            if _optional(name):
+                out[name] = None
         elif name in _INT_COLUMNS:
-            values[name] = int(float(cell))
+            out[name] = int(v)  # type: ignore[call-overload]
         else:
-            values[name] = float(cell)
-    return StepRecord(**{k: v for k, v in values.items() if v is not None or _optional(k)})
+            out[name] = float(v)  # type: ignore[arg-type]
+    return StepRecord(**out)  # type: ignore[arg-type]
 
 
 def _optional(name: str) -> bool:

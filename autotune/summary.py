@@ -2,15 +2,24 @@
 
 The exporter, `advise`, the rules and the tuner all read these definitions;
 the README's "Signals" section documents them. Warm-up rows are excluded.
+
+One aggregation, column-wise with numpy (`summarize_columns`): `advise` must
+analyse a 1,000,000-row file in at most twice the time pandas needs to read it,
+so no path builds one object per row. `summarize`/`summarize_trial` are adapters
+that turn StepRecords into the same columns. The per-step scalar definitions
+(`bubble_fraction`, `busy_fraction`, ...) are shared with the live exporter.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
-from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 
+import numpy as np
+
+from autotune.errors import InputFileError
 from autotune.schema import StepRecord
 
 
@@ -158,117 +167,178 @@ class TrialSummary:
         return cls(**d)
 
 
-def _quantile(vals: Sequence[float], q: float) -> float:
-    s = sorted(vals)
-    if len(s) == 1:
-        return s[0]
-    pos = q * (len(s) - 1)
-    lo = int(pos)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+SUMMARY_COLUMNS = frozenset({
+    "trial", "rank", "stage", "step", "warmup", "step_seconds", "compute_seconds", "comm_seconds",
+    "wait_seconds", "device_utilization", "memory_fragmentation_ratio", "loss", "micro_batch_size",
+    "gradient_accumulation_steps", "reduce_bucket_size", "pipeline_stages", "data_parallel_size",
+    "seq_length", "memory_peak_bytes", "memory_reserved_bytes", "optimizer_seconds",
+    "utilization_from_device",
+})
+"""The columns summarize reads; the others are only validated."""
+
+Columns = dict[str, np.ndarray]
+"""Metrics columns as float64 arrays (NaN = empty cell), the shape the CSV reader returns."""
 
 
-def _max_or_none(vals: Iterable[float | None]) -> float | None:
-    got = [v for v in vals if v is not None]
-    return max(got) if got else None
+def records_to_columns(records: Iterable[StepRecord]) -> Columns:
+    """StepRecords (a rank's live rows, a test's) as the columns the summary reads."""
+    rows = list(records)
+    return {name: np.array([_cell(getattr(r, name)) for r in rows], dtype=np.float64)
+            for name in SUMMARY_COLUMNS}
+
+
+def _cell(value: object) -> float:
+    return math.nan if value is None else float(value)  # type: ignore[arg-type]
 
 
 def summarize(records: Iterable[StepRecord]) -> list[TrialSummary]:
     """Summaries of every trial in `records` (a metrics CSV may hold several)."""
-    by_trial: dict[int, list[StepRecord]] = defaultdict(list)
-    for r in records:
-        by_trial[r.trial].append(r)
-    return [s for t in sorted(by_trial) if (s := summarize_trial(by_trial[t])) is not None]
+    rows = list(records)
+    return summarize_columns(records_to_columns(rows)) if rows else []
 
 
 def summarize_trial(records: Sequence[StepRecord]) -> TrialSummary | None:
     """One trial's summary, or None when it has no measured (non-warm-up) step."""
-    measured = [r for r in records if not r.warmup]
-    if not measured:
+    out = summarize(records)
+    return out[0] if out else None
+
+
+def _int_or_zero(value: float) -> int:
+    """An optional integer cell: empty (NaN) means not recorded, read as 0 as the row-wise summary does."""
+    return int(value) if math.isfinite(value) else 0
+
+
+def summarize_columns(cols: Columns, source: str = "metrics") -> list[TrialSummary]:
+    """Every trial's summary from metrics columns (several trials may share one table)."""
+    cols = {k: v for k, v in cols.items() if k in SUMMARY_COLUMNS}
+    order = np.argsort(cols["trial"], kind="stable")
+    trials = cols["trial"][order]
+    cuts = np.flatnonzero(np.diff(trials)) + 1
+    out = []
+    for rows in np.split(order, cuts):
+        part = {k: v[rows] for k, v in cols.items()}
+        s = _summarize_trial(part, source)
+        if s is not None:
+            out.append(s)
+    return out
+
+
+def _opt(x: float) -> float | None:
+    return None if math.isnan(x) else float(x)
+
+
+def _summarize_trial(c: Columns, source: str) -> TrialSummary | None:
+    warm = c["warmup"] != 0
+    meas = ~warm
+    if not meas.any():
         return None
-    first = measured[0]
-    warm = sum(1 for r in records if r.warmup and r.rank == first.rank)
+    i0 = int(np.argmax(meas))
+    first = {k: v[i0] for k, v in c.items()}
+    warm_steps = int(np.count_nonzero(warm & (c["rank"] == first["rank"])))
+    m = {k: v[meas] for k, v in c.items()}
 
-    # Per step: the pipeline moves as fast as its slowest rank.
-    by_step: dict[int, list[StepRecord]] = defaultdict(list)
-    for r in measured:
-        by_step[r.step].append(r)
-    global_batch = first.micro_batch_size * first.gradient_accumulation_steps * first.data_parallel_size
-    step_secs = [max(r.step_seconds for r in rows) for _, rows in sorted(by_step.items())]
-    sps = [global_batch / s for s in step_secs if s > 0]
-    seq = first.seq_length or 0
+    _, sinv = np.unique(m["step"], return_inverse=True)
+    step_secs = np.full(int(sinv.max()) + 1, -np.inf)
+    np.maximum.at(step_secs, sinv, m["step_seconds"])
+    micro, gas, dp = int(first["micro_batch_size"]), int(first["gradient_accumulation_steps"]), int(first["data_parallel_size"])
+    stages = int(first["pipeline_stages"])
+    sps = (micro * gas * dp) / step_secs[step_secs > 0]
+    if sps.size == 0:
+        raise InputFileError(f"{source}: trial {int(first['trial'])}: no step with step_seconds > 0")
 
-    by_rank: dict[int, list[StepRecord]] = defaultdict(list)
-    for r in measured:
-        by_rank[r.rank].append(r)
-    ranks = []
-    for rank, rows in sorted(by_rank.items()):
-        comp = sum(r.compute_seconds for r in rows)
-        opt = sum(r.optimizer_seconds or 0.0 for r in rows)
-        comm = sum(r.comm_seconds for r in rows)
-        wait = sum(r.wait_seconds for r in rows)
-        total = sum(r.step_seconds for r in rows)
-        utils = [r.device_utilization for r in rows]
-        dev = [r for r in rows if r.utilization_from_device == 1]
-        ranks.append(RankSummary(
-            rank=rank, stage=rows[0].stage, steps=len(rows),
-            device_utilization_mean=statistics.fmean(utils),
-            device_utilization_fluctuation=fluctuation(utils),
-            comm_compute_ratio=comm_compute_ratio(comm, wait, comp),
-            compute_seconds_mean=comp / len(rows),
-            schedule_compute_seconds_mean=(comp - opt) / len(rows), comm_seconds_mean=comm / len(rows),
-            wait_seconds_mean=wait / len(rows),
-            bubble_fraction=bubble_fraction(comp, total, opt),
-            wait_fraction=wait / total if total > 0 else 0.0,
-            host_bound_fraction=host_bound_fraction(
-                statistics.fmean(r.device_utilization for r in dev),
-                statistics.fmean(busy_fraction(r.compute_seconds, r.step_seconds) for r in dev)) if dev else None,
+    ranks, r_first, rinv = np.unique(m["rank"], return_index=True, return_inverse=True)
+    n = np.bincount(rinv).astype(np.float64)
+    sums = {k: np.bincount(rinv, weights=m[k]) for k in
+            ("compute_seconds", "comm_seconds", "wait_seconds", "step_seconds", "device_utilization")}
+    util_mean = sums["device_utilization"] / n
+    util_std = np.sqrt(np.bincount(rinv, weights=(m["device_utilization"] - util_mean[rinv]) ** 2) / n)
+    comp, comm, wait, total = (sums[k] for k in ("compute_seconds", "comm_seconds", "wait_seconds", "step_seconds"))
+    opt_col = np.nan_to_num(m["optimizer_seconds"]) if "optimizer_seconds" in m else np.zeros_like(m["step_seconds"])
+    opt = np.bincount(rinv, weights=opt_col, minlength=len(n))
+    rank_stage = m["stage"][r_first].astype(int)
+    # Host-bound share: only over steps whose utilization is the device's own counter.
+    dev = (m["utilization_from_device"] == 1) if "utilization_from_device" in m else np.zeros(len(rinv), bool)
+    busy = np.where(m["step_seconds"] > 0, np.minimum(1.0, m["compute_seconds"] / np.where(
+        m["step_seconds"] > 0, m["step_seconds"], 1.0)), 0.0)
+    n_dev = np.bincount(rinv, weights=dev, minlength=len(n))
+    util_dev = np.bincount(rinv, weights=m["device_utilization"] * dev, minlength=len(n))
+    busy_dev = np.bincount(rinv, weights=busy * dev, minlength=len(n))
+    rank_rows = []
+    for k, rank in enumerate(ranks):
+        rank_rows.append(RankSummary(
+            rank=int(rank), stage=int(rank_stage[k]), steps=int(n[k]),
+            device_utilization_mean=float(util_mean[k]),
+            device_utilization_fluctuation=float(util_std[k]) if n[k] >= 2 else None,
+            comm_compute_ratio=float((comm[k] + wait[k]) / comp[k]) if comp[k] > 0 else None,
+            compute_seconds_mean=float(comp[k] / n[k]),
+            schedule_compute_seconds_mean=float((comp[k] - opt[k]) / n[k]), comm_seconds_mean=float(comm[k] / n[k]),
+            wait_seconds_mean=float(wait[k] / n[k]),
+            bubble_fraction=bubble_fraction(float(comp[k]), float(total[k]), float(opt[k])),
+            wait_fraction=float(wait[k] / total[k]) if total[k] > 0 else 0.0,
+            host_bound_fraction=host_bound_fraction(float(util_dev[k] / n_dev[k]), float(busy_dev[k] / n_dev[k]))
+            if n_dev[k] else None,
         ))
 
-    stage_comp: dict[int, list[float]] = defaultdict(list)
-    for rs in ranks:
-        stage_comp[rs.stage].append(rs.schedule_compute_seconds_mean)
-    stage_means = [statistics.fmean(stage_comp[s]) for s in sorted(stage_comp)]
-    mean_comp = statistics.fmean(stage_means)
+    stage_ids = sorted(set(rank_stage.tolist()))
+    stage_means = [float(np.mean([r.schedule_compute_seconds_mean for r in rank_rows if r.stage == s]))
+                   for s in stage_ids]
+    mean_comp = float(np.mean(stage_means))
     imbalance = max(stage_means) / mean_comp if mean_comp > 0 else 1.0
-    slowest = sorted(stage_comp)[stage_means.index(max(stage_means))]
+    slowest = stage_ids[stage_means.index(max(stage_means))]
 
-    frag_by_rank = [
-        statistics.median(v) if (v := [r.memory_fragmentation_ratio for r in rows
-                                       if r.memory_fragmentation_ratio is not None]) else None
-        for rows in by_rank.values()
-    ]
-    losses = [r.loss for r in sorted(measured, key=lambda r: r.step) if r.loss is not None]
-    ratios = [rs.comm_compute_ratio for rs in ranks if rs.comm_compute_ratio is not None]
-    transfer = [
-        sum(r.comm_seconds for r in rows) / c
-        for rows in by_rank.values() if (c := sum(r.compute_seconds for r in rows)) > 0
-    ]
-    mean_step = statistics.fmean(step_secs)
+    frag = []
+    for k in range(len(ranks)):
+        v = m["memory_fragmentation_ratio"][rinv == k] if "memory_fragmentation_ratio" in m else np.empty(0)
+        v = v[~np.isnan(v)]
+        if v.size:
+            frag.append(float(np.median(v)))
+    losses = m["loss"][np.argsort(m["step"], kind="stable")] if "loss" in m else np.empty(0)
+    losses = losses[~np.isnan(losses)]
+    ratios = [r.comm_compute_ratio for r in rank_rows if r.comm_compute_ratio is not None]
+    transfer = [float(comm[k] / comp[k]) for k in range(len(ranks)) if comp[k] > 0]
+    flucts = [r.device_utilization_fluctuation for r in rank_rows if r.device_utilization_fluctuation is not None]
+    means = np.array([r.device_utilization_mean for r in rank_rows])
+    mean_step = float(np.mean(step_secs))
+    try:
+        ideal = ideal_bubble_fraction(stages, gas)
+    except ValueError as exc:
+        raise InputFileError(f"{source}: trial {int(first['trial'])}: {exc}") from None
+    median_sps = float(np.median(sps))
+    bucket = first.get("reduce_bucket_size", math.nan)
     return TrialSummary(
-        trial=first.trial, steps=len(step_secs), warmup_steps=warm,
-        micro_batch_size=first.micro_batch_size,
-        gradient_accumulation_steps=first.gradient_accumulation_steps,
-        reduce_bucket_size=first.reduce_bucket_size, pipeline_stages=first.pipeline_stages,
-        data_parallel_size=first.data_parallel_size,
-        samples_per_second=statistics.median(sps),
-        samples_per_second_p10=_quantile(sps, 0.1), samples_per_second_p90=_quantile(sps, 0.9),
-        tokens_per_second=statistics.median(sps) * seq,
-        step_seconds=statistics.median(step_secs),
-        step_time_jitter=(statistics.pstdev(step_secs) / mean_step) if len(step_secs) > 1 and mean_step > 0 else 0.0,
-        device_utilization_mean=statistics.fmean(rs.device_utilization_mean for rs in ranks),
-        device_utilization_fluctuation=_max_or_none(rs.device_utilization_fluctuation for rs in ranks),
-        cross_device_fluctuation=(statistics.pstdev([rs.device_utilization_mean for rs in ranks])
-                                  if len(ranks) > 1 else None),
+        trial=int(first["trial"]), steps=int(step_secs.size), warmup_steps=warm_steps,
+        micro_batch_size=micro, gradient_accumulation_steps=gas,
+        reduce_bucket_size=None if math.isnan(bucket) else int(bucket),
+        pipeline_stages=stages, data_parallel_size=dp,
+        samples_per_second=median_sps,
+        samples_per_second_p10=float(np.quantile(sps, 0.1)),
+        samples_per_second_p90=float(np.quantile(sps, 0.9)),
+        tokens_per_second=median_sps * _int_or_zero(first.get("seq_length", math.nan)),
+        step_seconds=float(np.median(step_secs)),
+        step_time_jitter=float(np.std(step_secs) / mean_step) if step_secs.size > 1 and mean_step > 0 else 0.0,
+        device_utilization_mean=float(np.mean(means)),
+        device_utilization_fluctuation=max(flucts) if flucts else None,
+        cross_device_fluctuation=float(np.std(means)) if len(rank_rows) > 1 else None,
         comm_compute_ratio=max(ratios) if ratios else None,
-        comm_compute_ratio_mean=statistics.fmean(ratios) if ratios else None,
+        comm_compute_ratio_mean=float(np.mean(ratios)) if ratios else None,
         transfer_compute_ratio=max(transfer) if transfer else None,
-        bubble_fraction_measured=statistics.fmean(rs.bubble_fraction for rs in ranks),
-        bubble_fraction_ideal=ideal_bubble_fraction(first.pipeline_stages, first.gradient_accumulation_steps),
+        bubble_fraction_measured=float(np.mean([r.bubble_fraction for r in rank_rows])),
+        bubble_fraction_ideal=ideal,
         stage_compute_imbalance=imbalance, slowest_stage=slowest, stage_compute_seconds=stage_means,
-        memory_fragmentation_ratio=_max_or_none(frag_by_rank),
-        memory_peak_bytes=_max_or_none(r.memory_peak_bytes for r in measured),
-        memory_reserved_bytes=_max_or_none(r.memory_reserved_bytes for r in measured),
-        loss_first=losses[0] if losses else None, loss_last=losses[-1] if losses else None,
-        ranks=ranks, host_bound_fraction=_max_or_none(rs.host_bound_fraction for rs in ranks),
+        memory_fragmentation_ratio=max(frag) if frag else None,
+        memory_peak_bytes=_nanmax(m, "memory_peak_bytes"),
+        memory_reserved_bytes=_nanmax(m, "memory_reserved_bytes"),
+        loss_first=float(losses[0]) if losses.size else None,
+        loss_last=float(losses[-1]) if losses.size else None,
+        ranks=rank_rows,
+        host_bound_fraction=max(hb) if (hb := [r.host_bound_fraction for r in rank_rows
+                                                if r.host_bound_fraction is not None]) else None,
     )
+
+
+def _nanmax(m: Columns, name: str) -> float | None:
+    v = m.get(name)
+    if v is None:
+        return None
+    v = v[~np.isnan(v)]
+    return float(v.max()) if v.size else None

@@ -18,10 +18,10 @@ from pathlib import Path
 from autotune.dsconfig import DsConfig
 from autotune.errors import InputFileError, UserError
 from autotune.launcher import LaunchOutcome, LaunchSpec, TrialProcess
-from autotune.metrics_csv import read_metrics_csv
+from autotune.loaders.metrics import read_trial_columns
 from autotune.proposers.base import STATUS_FAILED, STATUS_OK, TrialResult
 from autotune.space import TrialConfig
-from autotune.summary import TrialSummary, summarize_trial
+from autotune.summary import TrialSummary, summarize_columns
 from autotune.workload.train import EXIT_LOSS_SCALE, EXIT_NONFINITE_LOSS, EXIT_OOM
 
 OOM_PATTERN = re.compile(r"out of memory|OutOfMemoryError|CUDA error: out of memory", re.I)
@@ -206,11 +206,12 @@ def judge(outcome: LaunchOutcome, trial_dir: Path, timeout: float) -> TrialOutco
         if MISSING_PATTERN.search(log):
             return _failed("launcher_missing", _last_line(log, MISSING_PATTERN) or "launcher missing", wall)
         return _failed("crash", _last_line(log, re.compile(r"Error|error")) or f"exit code {rc}", wall)
-    try:
-        records = [r for p in sorted(trial_dir.glob("metrics-rank*.csv")) for r in read_metrics_csv(p)]
+    try:  # the one reader and the one summary, as advise uses them
+        files = sorted(trial_dir.glob("metrics-rank*.csv"))
+        summaries = summarize_columns(read_trial_columns(files), source=str(trial_dir)) if files else []
     except InputFileError as exc:
         return _failed("no_metrics", str(exc), wall)
-    summary = summarize_trial(records) if records else None
+    summary = summaries[0] if summaries else None
     if summary is None:
         return _failed("no_metrics", "the trial exited 0 but wrote no measured step", wall)
     return TrialOutcome(

@@ -16,7 +16,6 @@ from autotune.loaders import detect_format, load_input
 from autotune.loaders.metrics import load_summaries
 from autotune.loaders.nvidia_smi import load_nvidia_smi
 from autotune.loaders.prometheus import load_prometheus
-from autotune.metrics_csv import read_metrics_csv
 from autotune.summary import summarize
 
 FIX = Path(__file__).parent / "fixtures" / "advise"
@@ -126,7 +125,8 @@ def test_metrics_missing_and_bad_cells(tmp_path):
 @given(seed=st.integers(0, 10_000), trials=st.integers(1, 3), ranks=st.sampled_from([1, 2, 4]),
        with_frag=st.booleans())
 def test_columnar_summary_matches_reference(tmp_path_factory, seed, trials, ranks, with_frag):
-    """The numpy path computes the same TrialSummary as autotune.summary.summarize."""
+    """The file path (`advise`: CSV -> reader -> columns) gives the same TrialSummary as the
+    records adapter (ranks and tests: StepRecords -> columns): the CSV round trip loses nothing."""
     rng = random.Random(seed)
     recs = []
     for t in range(trials):
@@ -143,7 +143,7 @@ def test_columnar_summary_matches_reference(tmp_path_factory, seed, trials, rank
                                    utilization_from_device=rng.choice([None, 0, 1] if with_frag else [None, 0])))
     f = tmp_path_factory.mktemp("m") / "m.csv"
     f.write_text(csv_text(recs))
-    ref = summarize(read_metrics_csv(f))
+    ref = summarize(recs)
     if not ref:
         with pytest.raises(InputFileError):
             load_summaries(f)
