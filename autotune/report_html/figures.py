@@ -173,8 +173,8 @@ def stage_split(data: StepData, title: str, name: str, xmax: float | None = None
     if xmax:
         ax.set_xlim(0, xmax)
     ax.grid(axis="y", visible=False)
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.25 - 0.35 / (1 + len(stages))), ncol=3,
-              frameon=False)
+    # above the bars: the same place whatever the number of stages (below, it met the axis label)
+    ax.legend(loc="lower center", bbox_to_anchor=(0.5, 1.02), ncol=3, frameon=False)
     return _finish(plt, fig, name, title,
                    "Mean seconds per step of each pipeline stage by what it did; the thin hatched bar "
                    "is the bubble the 1F1B schedule cannot avoid at this gradient accumulation.")
@@ -195,12 +195,11 @@ def utilization(data: StepData, title: str, name: str) -> Figure:
     ax.xaxis.get_major_locator().set_params(integer=True)
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=min(4, max(2, len(data.ranks) // 2)),
               frameon=False)
-    device = next((r.device for r in data.ranks if r.device), "")
-    what = ("busy fraction: compute time / step time" if device.startswith("cpu") or not device
-            else "the device's own utilization counter")
+    what = ("the device's own utilization counter (NVML)" if any(r.from_device for r in data.ranks)
+            else "the busy fraction: compute time / step time")
     return _finish(plt, fig, name, title,
                    f"Utilization of each rank at every measured step (warm-up left out); here it is "
-                   f"the {what}.")
+                   f"{what}.")
 
 
 def study_figures(r: StudyReport) -> list[Figure]:

@@ -53,6 +53,8 @@ class RankSteps:
     comm_seconds: list[float]
     wait_seconds: list[float]
     data_seconds: list[float]
+    from_device: bool = False
+    """Utilization is the device's own counter (NVML), not the busy fraction."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -320,7 +322,8 @@ def steps_from_records(records: list[StepRecord], trial: int) -> StepData | None
             utilization=[r.device_utilization for r in rows],
             step_seconds=[r.step_seconds for r in rows], compute_seconds=[r.compute_seconds for r in rows],
             comm_seconds=[r.comm_seconds for r in rows], wait_seconds=[r.wait_seconds for r in rows],
-            data_seconds=[r.data_seconds for r in rows]))
+            data_seconds=[r.data_seconds for r in rows],
+            from_device=any(r.utilization_from_device == 1 for r in rows)))
     first = by_rank[min(by_rank)][0]
     return StepData(trial=trial, ranks=ranks,
                     stages=_stage_split(ranks, first.pipeline_stages, first.gradient_accumulation_steps))
@@ -346,7 +349,8 @@ def steps_from_columns(cols: dict[str, Any], trial: int) -> StepData | None:
             rank=int(rank), stage=int(c["stage"][m][0]), device="", step=[int(s) for s in col("step")],
             utilization=col("device_utilization"), step_seconds=col("step_seconds"),
             compute_seconds=col("compute_seconds"), comm_seconds=col("comm_seconds"),
-            wait_seconds=col("wait_seconds"), data_seconds=col("data_seconds")))
+            wait_seconds=col("wait_seconds"), data_seconds=col("data_seconds"),
+            from_device=bool("utilization_from_device" in c and (c["utilization_from_device"][m] == 1).any())))
     return StepData(trial=trial, ranks=ranks, stages=_stage_split(
         ranks, int(c["pipeline_stages"][0]), int(c["gradient_accumulation_steps"][0])))
 

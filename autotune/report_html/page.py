@@ -38,7 +38,7 @@ dl.facts dd { margin: 0; overflow-wrap: anywhere; }
 .missing ul { margin: 0.3em 0; padding-left: 1.2em; }
 .grid { display: grid; grid-template-columns: repeat(auto-fit, minmax(min(100%, 440px), 1fr)); gap: 14px; }
 figure { margin: 0; border: 1px solid var(--line); border-radius: 8px; padding: 10px; background: #fff; }
-figure img { display: block; width: 100%; max-width: 100%; height: auto; }
+figure img { display: block; width: auto; max-width: 100%; height: auto; margin: 0 auto; }
 figcaption { color: var(--muted); font-size: 0.85rem; margin-top: 4px; }
 figcaption a { color: var(--accent); }
 .wide { max-width: 860px; }
@@ -59,6 +59,7 @@ td.num { text-align: right; font-variant-numeric: tabular-nums; white-space: now
 tr.best td { background: #dafbe1; }
 tr.failed td { color: #82071e; }
 tr.interrupted td { color: var(--muted); font-style: italic; }
+details { margin: 1em 0; } summary { cursor: pointer; color: var(--muted); }
 footer { color: var(--muted); font-size: 0.8rem; margin: 2em 0 1em; }
 @media (max-width: 600px) {
   body { font-size: 14px; } main { padding: 10px; }
@@ -275,6 +276,10 @@ def _trial_table(r: StudyReport) -> str:
     return f'<div class="table"><table>{head}{"".join(rows)}</table></div>'
 
 
+def _trial_name(trial: int) -> str:
+    return f"trial {trial}" if trial >= 0 else "this run (outside a study)"
+
+
 # -- the advise page ---------------------------------------------------------------------
 def render_metrics(m: MetricsReport, figs: Sequence[Figure], figures_href: str) -> str:
     name = m.source.name
@@ -282,14 +287,14 @@ def render_metrics(m: MetricsReport, figs: Sequence[Figure], figures_href: str) 
     stats = []
     for s in m.summaries[:4]:
         stats.append((f"{s.samples_per_second:,.1f} samples/s",
-                      f"trial {s.trial}: micro {s.micro_batch_size}, GAS {s.gradient_accumulation_steps}, "
-                      f"{s.pipeline_stages} stages x {s.data_parallel_size} dp, {s.steps} measured steps"))
+                      f"{_trial_name(s.trial)}: micro {s.micro_batch_size}, GAS {s.gradient_accumulation_steps}, "
+                      f"{s.pipeline_stages} stage(s) x {s.data_parallel_size} dp, {s.steps} measured steps"))
     stats.append((str(len(m.findings)), "rules fired"))
     parts.append('<section class="headline">' + "".join(
         f'<div class="stat"><b>{escape(v)}</b><span>{escape(t)}</span></div>' for v, t in stats) + "</section>")
     facts = [("Input", f"{m.source} ({m.format})")]
     for s in m.summaries[:4]:
-        facts.append((f"Trial {s.trial}", f"utilization mean {s.device_utilization_mean:.0%}, bubble "
+        facts.append((_trial_name(s.trial).capitalize(), f"utilization mean {s.device_utilization_mean:.0%}, bubble "
                                           f"{s.bubble_fraction_measured:.2f} measured / {s.bubble_fraction_ideal:.2f} ideal, "
                                           f"stage imbalance {s.stage_compute_imbalance:.2f}"))
     parts.append('<dl class="facts">' + "".join(f"<dt>{escape(a)}</dt><dd>{escape(b)}</dd>" for a, b in facts)
@@ -306,5 +311,6 @@ def render_metrics(m: MetricsReport, figs: Sequence[Figure], figures_href: str) 
         items = "".join(f"<li><code>{escape(f.rule_id)}</code> [{escape(f.subject)}]: "
                         f"{escape('; '.join(f'{k}: {v}' for k, v in f.missing.items()))}</li>"
                         for f in m.insufficient)
-        parts += ["<h2>Rules not decided (insufficient data)</h2>", f"<ul>{items}</ul>"]
+        parts.append(f"<details><summary>{len(m.insufficient)} rule(s) not decided for lack of data"
+                     f"</summary><ul>{items}</ul></details>")
     return _page(f"autotune advise: {name}", "".join(parts))
