@@ -146,7 +146,7 @@ def knob(r: StudyReport, name: str) -> Figure:
     ax.set_xlabel(KNOB_LABELS.get(name, name))
     ax.set_ylabel("samples/s")
     if ax.get_legend_handles_labels()[0]:
-        ax.legend(loc="best")
+        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=2, frameon=False)  # off the points
     label = KNOB_LABELS.get(name, name)
     return _finish(plt, fig, f"knob-{name}", f"Throughput against {label}",
                    f"Every successful trial at its {label}, coloured by who proposed it (as above); the ring is "
