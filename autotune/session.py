@@ -127,11 +127,10 @@ def validate(opts: RunOptions) -> None:
         raise UserError(f"--bucket-max must be <= 1e12 elements, got {opts.bucket_max}")
     if not str(opts.study).strip():
         raise UserError("--study must name a folder")
-    from autotune.proposers.registry import names as proposer_names
+    from autotune.proposers.registry import check_name as check_proposer_name
     from autotune.trial import parse_faults
 
-    if opts.tuner not in proposer_names():
-        raise UserError(f"unknown proposer {opts.tuner!r}; choose one of {', '.join(proposer_names())}")
+    check_proposer_name(opts.tuner)
     parse_faults(wl.faults)
     preset = get_preset(wl.preset)
     preset_layers = preset.num_layers + 2
@@ -292,7 +291,7 @@ def _store_meta(study: Study, opts: RunOptions, space: SearchSpace) -> None:
 def _rules_hooks():
     """The advisor's moves (steer the hybrid) and fired-rule ids (for the report)."""
     from autotune.advisor.engine import evaluate
-    from autotune.advisor.moves import propose_moves
+    from autotune.proposers.rule_moves import propose_moves
 
     def fired(summary) -> list[str]:
         return sorted({f.rule_id for f in evaluate([summary]) if getattr(f, "fired", True)})

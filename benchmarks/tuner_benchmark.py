@@ -35,13 +35,8 @@ TUNERS = ["hybrid", "bayes", "optuna-gp", "optuna-tpe", "ds-autotuner", "random"
 
 
 def moves_fn():
-    """The rule engine's moves if present, else the benchmark's clearly-named stand-in."""
-    real = default_moves()
-    if real is not None:
-        return real, "autotune.advisor.moves.propose_moves"
-    from benchmarks.standin_moves import propose_moves
-
-    return propose_moves, "benchmarks.standin_moves.propose_moves (stand-in)"
+    """The rule engine's moves, as `autotune run` uses them."""
+    return default_moves(), "autotune.proposers.rule_moves.propose_moves"
 
 
 @dataclass

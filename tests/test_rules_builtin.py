@@ -120,7 +120,7 @@ def test_comm_high_never_proposes_a_smaller_bucket():
 
 
 def test_comm_high_moves_the_tuner_to_one_bucket():
-    from autotune.advisor.moves import propose_moves
+    from autotune.proposers.rule_moves import propose_moves
     from autotune.space import SearchSpace, TrialConfig
 
     space = SearchSpace.build(pipeline_stages=2, data_parallel_size=2, zero_stage=1, global_batch=64,

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 from advise_helpers import healthy_summary
 
-from autotune.advisor import check_config, evaluate, patch_config, propose_moves
+from autotune.advisor import check_config, evaluate, patch_config
 from autotune.dsconfig import DsConfig
+from autotune.proposers.rule_moves import propose_moves
 from autotune.space import SearchSpace, TrialConfig
 
 

@@ -7,11 +7,6 @@ something verified against DeepSpeed 0.19.8 (docs/deepspeed-facts.md).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
-
-from autotune.advisor.findings import Finding
-from autotune.advisor.rulebook import Rule
 from autotune.advisor.signals import SignalSet, layout_values
 from autotune.advisor.targets import BUCKET_KEYS, byte_like, get_dotted
 from autotune.dsconfig import DEEPSPEED_DEFAULT_BUCKET, PIPELINE_KEYS_READ, DsConfig
@@ -96,12 +91,3 @@ def _layout(cfg: DsConfig, stages: int | None, world_size: int | None) -> dict[s
     values["bubble_fraction_ideal"] = (ideal_bubble_fraction(stages, gas)
                                        if stages is not None and gas is not None else None)
     return values
-
-
-def check_config(cfg: DsConfig, *, stages: int | None = None, world_size: int | None = None,
-                 rules: Sequence[Rule] | None = None, name: str = "ds_config") -> list[Finding]:
-    """The configuration rules alone (plus layout rules when stages/world size are given)."""
-    from autotune.advisor.engine import evaluate
-
-    ctx: dict[str, Any] = {"stages": stages, "world_size": world_size, "config_name": name}
-    return evaluate([], ds_config=cfg, rules=rules, context=ctx)

@@ -153,3 +153,10 @@ def _impact(rule: Rule, ev: Evidence, changes: list[Change], s: SignalSet) -> fl
     else:
         value = abs(measured - ev.threshold) * rule.impact_value
     return round(max(0.0, min(1.0, value)), 4)
+
+
+def check_config(cfg: DsConfig, *, stages: int | None = None, world_size: int | None = None,
+                 rules: Sequence[Rule] | None = None, name: str = "ds_config") -> list[Finding]:
+    """The configuration rules alone (plus layout rules when stages/world size are given)."""
+    ctx: dict[str, Any] = {"stages": stages, "world_size": world_size, "config_name": name}
+    return evaluate([], ds_config=cfg, rules=rules, context=ctx)

@@ -9,7 +9,7 @@ first ten on random ones and on the memory cliff. So:
    `FeasibilityModel` veto (never a point known or predicted to run out of
    memory) and never a point already run:
    - rules: `moves(summary, incumbent, space)` on the best trial so far
-     (`autotune.advisor.moves.propose_moves` in production). Moves touching
+     (`autotune.proposers.rule_moves.propose_moves` in production). Moves touching
      different knobs are also merged into one compound move, so a bubble fix
      and a bucket fix are tested in the same trial;
    - a micro-batch climb: the next larger micro-batch than the incumbent's

@@ -17,7 +17,7 @@ DEFAULT = "hybrid"
 
 def default_moves() -> MovesFn | None:
     """The rule engine's `propose_moves` (the advisor ships with every install)."""
-    from autotune.advisor.moves import propose_moves
+    from autotune.proposers.rule_moves import propose_moves
 
     return propose_moves
 
@@ -26,10 +26,21 @@ def optuna_available() -> bool:
     return importlib.util.find_spec("optuna") is not None
 
 
+OPTUNA = ("optuna-gp", "optuna-tpe")
+
+
 def names() -> list[str]:
     """Every proposer name usable here (the Optuna ones only when optuna is installed)."""
     base = ["hybrid", "bayes", "random", "grid", "ds-autotuner"]
-    return base + (["optuna-gp", "optuna-tpe"] if optuna_available() else [])
+    return base + (list(OPTUNA) if optuna_available() else [])
+
+
+def check_name(name: str) -> None:
+    """One line for an unknown name, and for an Optuna one without optuna (not 'unknown')."""
+    if name in OPTUNA and not optuna_available():
+        raise UserError(f"--tuner {name} needs optuna, which this Python lacks: pip install optuna")
+    if name not in names():
+        raise UserError(f"unknown proposer {name!r}; choose one of {', '.join(names())}")
 
 
 def make_proposer(name: str, space: SearchSpace, *, seed: int, moves: MovesFn | None = None,
@@ -46,10 +57,9 @@ def make_proposer(name: str, space: SearchSpace, *, seed: int, moves: MovesFn | 
         "grid": lambda: GridProposer(space, seed=seed),
         "ds-autotuner": lambda: DSAutotunerProposer(space, seed=seed),
     }
-    if name in ("optuna-gp", "optuna-tpe") and optuna_available():
+    check_name(name)
+    if name in OPTUNA:
         from autotune.proposers.optuna_backend import OptunaProposer
 
         return OptunaProposer(space, seed=seed, sampler=name.removeprefix("optuna-"))
-    if name not in builders:
-        raise UserError(f"unknown proposer {name!r}; choose one of {', '.join(names())}")
     return builders[name]()
