@@ -1,0 +1,208 @@
+"""The user's training command: which launcher, which script, where the DeepSpeed config goes.
+
+Accepted launchers (the command after `autotune run ... --`):
+
+    deepspeed [launcher options] SCRIPT [script args]
+    python -m deepspeed.launcher.runner [launcher options] SCRIPT [script args]
+    torchrun [launcher options] SCRIPT [script args]
+    python -m torch.distributed.run [launcher options] SCRIPT [script args]
+
+The rule for the config (docs/user-script.md), looked for in the script args:
+
+1. A literal `{config}` anywhere in a script argument (`--ds-config {config}`,
+   `--cfg={config}`): every trial's config path replaces it; the starting config
+   is `autotune run --config FILE`.
+2. Otherwise exactly one `--deepspeed_config X` or `--deepspeed_config=X`
+   (DeepSpeed's `add_config_arguments` name; `--deepscale_config` is its old alias).
+   X is the starting config and each trial's config path takes its place.
+3. Anything else is one UserError before any trial runs.
+
+Launcher options are kept as written, except `--master_port`: each trial gets a
+free port of its own (DeepSpeed's CPU comm op names its /dev/shm buffers by it,
+and autotune removes them by it).
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from autotune.errors import UserError
+
+PLACEHOLDER = "{config}"
+CONFIG_FLAGS = ("--deepspeed_config", "--deepscale_config")
+DEEPSPEED, TORCHRUN = "deepspeed", "torchrun"
+
+# The launchers' own options, read from their argparse parsers (DeepSpeed 0.19.8,
+# torch 2.13; tests/test_usercmd_parse.py pins them against the installed ones).
+# Needed to tell where the launcher's options end and the script begins.
+_LAUNCHER_FLAGS = {
+    DEEPSPEED: frozenset({"--bind_cores_to_rank", "--force_multi", "--module", "--no_local_rank",
+                          "--no_python", "--no_ssh", "--no_ssh_check", "--quiet", "--save_pid",
+                          "-q"}),
+    TORCHRUN: frozenset({"--module", "--no-python", "--no_python", "--run-path", "--run_path",
+                         "--standalone", "--virtual-local-rank", "--virtual_local_rank", "-m"}),
+}
+_LAUNCHER_VALUED = {
+    DEEPSPEED: frozenset({"--autotuning", "--bind_core_list", "--enable_each_rank_log", "--exclude",
+                          "--hostfile", "--include", "--launcher", "--launcher_args", "--log_level",
+                          "--master_addr", "--master_port", "--node_rank", "--num_accelerators",
+                          "--num_gpus", "--num_nodes", "--ssh_port", "--venv_script", "-H", "-e",
+                          "-i"}),
+    TORCHRUN: frozenset({"--duplicate-stderr-filters", "--duplicate-stdout-filters",
+                         "--duplicate_stderr_filters", "--duplicate_stdout_filters",
+                         "--event-log-handler", "--event_log_handler", "--local-addr",
+                         "--local-ranks-filter", "--local_addr", "--local_ranks_filter", "--log-dir",
+                         "--log_dir", "--logs-specs", "--logs_specs", "--master-addr", "--master-port",
+                         "--master_addr", "--master_port", "--max-restarts", "--max_restarts",
+                         "--monitor-interval", "--monitor_interval", "--nnodes", "--node-rank",
+                         "--node_rank", "--nproc-per-node", "--nproc_per_node", "--numa-binding",
+                         "--numa_binding", "--rdzv-backend", "--rdzv-conf", "--rdzv-endpoint",
+                         "--rdzv-id", "--rdzv_backend", "--rdzv_conf", "--rdzv_endpoint", "--rdzv_id",
+                         "--redirects", "--role", "--shutdown-timeout", "--shutdown_timeout",
+                         "--signals-to-handle", "--signals_to_handle", "--start-method",
+                         "--start_method", "--tee", "-r", "-t"}),
+}
+_MASTER_PORT = frozenset({"--master_port", "--master-port"})
+_NOT_A_FILE = frozenset({"--module", "-m", "--no_python", "--no-python"})
+"""Launcher flags after which SCRIPT is a module or a program, not a file to check."""
+_PYTHON = re.compile(r"^python(\d+(\.\d+)?)?$")
+_MODULES = {"deepspeed.launcher.runner": DEEPSPEED, "torch.distributed.run": TORCHRUN}
+FORMS = ("deepspeed ...", "python -m deepspeed.launcher.runner ...", "torchrun ...",
+         "python -m torch.distributed.run ...")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class UserCommand:
+    """A parsed training command; `argv_for` writes one trial's command line."""
+
+    argv: tuple[str, ...]
+    """The command exactly as the user gave it."""
+    launcher: str
+    """`deepspeed` or `torchrun` (whichever spelling started it)."""
+    prefix: tuple[str, ...]
+    """The tokens that start the launcher: ("deepspeed",) or ("python", "-m", "...")."""
+    launcher_args: tuple[str, ...]
+    script: str
+    script_args: tuple[str, ...]
+    config_at: int | None
+    """Index in script_args of the `--deepspeed_config` value (None: the {config} placeholder)."""
+    user_config: str | None
+    """The config path the command names; None with the placeholder (then --config gives it)."""
+
+    @property
+    def uses_placeholder(self) -> bool:
+        return self.config_at is None
+
+    def argv_for(self, ds_config: str | Path, master_port: int) -> list[str]:
+        """This trial's command: its config path in the config's place, its own master port."""
+        script_args = list(self.script_args)
+        if self.config_at is None:
+            script_args = [a.replace(PLACEHOLDER, str(ds_config)) for a in script_args]
+        else:
+            i = self.config_at
+            flag, eq, _ = script_args[i].partition("=")
+            script_args[i] = f"{flag}={ds_config}" if eq and flag in CONFIG_FLAGS else str(ds_config)
+        return [*self.prefix, *_without_master_port(self.launcher_args), "--master_port", str(master_port),
+                self.script, *script_args]
+
+
+def parse_command(argv: list[str] | tuple[str, ...], *, cwd: Path) -> UserCommand:
+    """Read a training command; every problem is one UserError that says how to write it."""
+    argv = tuple(argv)
+    if not argv or not any(a.strip() for a in argv):
+        raise UserError("no training command after `--`; write it as: autotune run -- deepspeed "
+                        "train.py --deepspeed_config ds_config.json")
+    launcher, prefix = _launcher(argv)
+    rest = argv[len(prefix):]
+    launcher_args, script_at, not_a_file = _launcher_options(launcher, rest)
+    if script_at is None:
+        raise UserError(f"the command names no training script after {' '.join(argv)!r}; "
+                        f"write it as: {argv[0]} [launcher options] train.py [script args]")
+    script, script_args = rest[script_at], rest[script_at + 1:]
+    if not not_a_file and not (cwd / script).is_file():
+        raise UserError(f"training script {script!r} not found (relative to {cwd}); "
+                        "run autotune from the folder you would launch the job from")
+    config_at, user_config = _find_config(script_args)
+    return UserCommand(argv=argv, launcher=launcher, prefix=prefix, launcher_args=launcher_args,
+                       script=script, script_args=script_args, config_at=config_at,
+                       user_config=user_config)
+
+
+def check_launcher_installed(cmd: UserCommand) -> None:
+    """`deepspeed`/`torchrun` (or the python) must be on PATH: one line, not N failed trials."""
+    exe = cmd.prefix[0]
+    if shutil.which(exe) is None:
+        raise UserError(f"{exe!r} not found on PATH; activate the environment the job runs in, "
+                        "or give the launcher's full path")
+
+
+def _launcher(argv: tuple[str, ...]) -> tuple[str, tuple[str, ...]]:
+    name = Path(argv[0]).name
+    if name in (DEEPSPEED, TORCHRUN):
+        return name, argv[:1]
+    if _PYTHON.match(name) and len(argv) >= 3 and argv[1] == "-m" and argv[2] in _MODULES:
+        return _MODULES[argv[2]], argv[:3]
+    raise UserError(f"autotune starts the ranks through a launcher; {argv[0]!r} is not one: "
+                    f"write the command as {', '.join(FORMS[:-1])} or {FORMS[-1]}")
+
+
+def _launcher_options(launcher: str, rest: tuple[str, ...]) -> tuple[tuple[str, ...], int | None, bool]:
+    """(launcher options, index of the script in `rest` or None, script is a module/program)."""
+    flags, valued = _LAUNCHER_FLAGS[launcher], _LAUNCHER_VALUED[launcher]
+    i, not_a_file = 0, False
+    while i < len(rest):
+        tok = rest[i]
+        if not tok.startswith("-") or tok == "-":
+            return rest[:i], i, not_a_file
+        name, eq, _ = tok.partition("=")
+        if name in flags and not eq:
+            not_a_file = not_a_file or name in _NOT_A_FILE
+            i += 1
+        elif name in valued:
+            if not eq and i + 1 >= len(rest):
+                raise UserError(f"launcher option {name} needs a value")
+            i += 1 if eq else 2
+        else:
+            raise UserError(f"{tok!r} is not an option of the {launcher} launcher, so autotune cannot "
+                            "tell where the training script starts; spell the launcher's options out "
+                            "in full (no abbreviations) before the script")
+    return rest, None, not_a_file
+
+
+def _find_config(script_args: tuple[str, ...]) -> tuple[int | None, str | None]:
+    if any(PLACEHOLDER in a for a in script_args):
+        return None, None
+    hits = [i for i, a in enumerate(script_args) if a.partition("=")[0] in CONFIG_FLAGS]
+    if not hits:
+        raise UserError("autotune cannot find the DeepSpeed config in the command: pass it to the "
+                        "script as --deepspeed_config FILE, or write {config} where the script takes "
+                        "it and give the starting config with --config FILE")
+    if len(hits) > 1:
+        raise UserError(f"the command names the DeepSpeed config {len(hits)} times; name it once "
+                        "(--deepspeed_config FILE)")
+    i = hits[0]
+    flag, eq, value = script_args[i].partition("=")
+    if eq:
+        if not value:
+            raise UserError(f"{flag}= has no file; write {flag}=ds_config.json")
+        return i, value
+    if i + 1 >= len(script_args) or script_args[i + 1].startswith("-"):
+        raise UserError(f"{flag} has no file after it; write {flag} ds_config.json")
+    return i + 1, script_args[i + 1]
+
+
+def _without_master_port(args: tuple[str, ...]) -> list[str]:
+    out, skip = [], False
+    for a in args:
+        if skip:
+            skip = False
+            continue
+        name, eq, _ = a.partition("=")
+        if name in _MASTER_PORT:
+            skip = not eq
+            continue
+        out.append(a)
+    return out
