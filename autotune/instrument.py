@@ -18,7 +18,6 @@ from __future__ import annotations
 import math
 import resource
 import socket
-import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
@@ -249,10 +248,6 @@ def engine_device_probe(engine: Any) -> DeviceProbe | None:
     """NVML + CUDA allocator on GPUs; None on CPU (busy fraction, no allocator)."""
     if getattr(getattr(engine, "device", None), "type", "cpu") != "cuda":
         return None
-    try:
-        from exporters.devices import make_device_probe
-    except ImportError:  # exporters not installed alongside: CUDA events still time the step
-        print("autotune: exporters.devices unavailable; device utilization falls back to busy fraction",
-              file=sys.stderr)
-        return None
+    from exporters.devices import make_device_probe  # ships with autotune, in every install
+
     return make_device_probe(engine.device)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.resources
 import math
 import re
+import tomllib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from importlib.resources.abc import Traversable
@@ -24,11 +25,6 @@ from autotune.advisor.conditions import (
 )
 from autotune.advisor.signals import ALL_SIGNALS
 from autotune.errors import InputFileError
-
-try:  # Python 3.11+
-    import tomllib
-except ModuleNotFoundError:  # pragma: no cover - Python 3.10
-    import tomli as tomllib  # type: ignore[no-redef]
 
 BUILTIN_RULES = importlib.resources.files("autotune") / "data" / "builtin_rules.toml"
 """Shipped inside the package (wheel and sdist alike); `rules/builtin.toml` at the repository

@@ -54,12 +54,7 @@ def read_columns(path: str | Path) -> Columns:
     if len(set(header)) != len(header):
         raise InputFileError(f"{path}: duplicate column names in the header")
     use = [c for c in NUMERIC_COLUMNS if c in header]
-    try:
-        import pandas  # noqa: F401  (optional accelerator: its C parser)
-    except ImportError:
-        cols = _read_stdlib(path, header, use)
-    else:
-        cols = _read_pandas(path, header, use)
+    cols = _read_pandas(path, header, use)
     _validate(path, cols)
     return cols
 

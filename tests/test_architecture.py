@@ -1,0 +1,107 @@
+"""The layout's promises, checked on the source: dependencies point one way.
+
+- no import cycle among the modules of `autotune` and `exporters`, lazy imports included;
+- the advisor knows nothing of the tuner: no `autotune.advisor` module imports a proposer;
+- the core reaches `exporters` only where a probe or a run is wired to its endpoints;
+- no optional import is swallowed silently: each `except ImportError` is listed here, with why.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections import defaultdict
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+PACKAGES = ("autotune", "exporters")
+
+# The only places where the core imports exporters: the assembly of a rank's sinks
+# (`instrument()`, the one-liner) and of a run's controller endpoint. Exporters depend on
+# the core's data model (schema, summary, space), never the other way round elsewhere.
+CORE_TO_EXPORTERS = {"autotune.instrument", "autotune.session"}
+
+ALLOWED_IMPORT_FALLBACKS = {
+    # Without torch there is no CUDA: the trial ranks get DeepSpeed's CPU accelerator.
+    "autotune.launcher",
+    # Without torch the device question is answered with a one-line UserError naming the install.
+    "autotune.precision",
+    # Without torch there is no CUDA allocator: fragmentation is "not available", never 0.
+    "exporters.devices",
+}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for pkg in PACKAGES:
+        for p in (REPO / pkg).rglob("*.py"):
+            if "__pycache__" in p.parts:
+                continue
+            parts = p.relative_to(REPO).with_suffix("").parts
+            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+            out[name] = p
+    return out
+
+
+MODULES = _modules()
+TREES = {name: ast.parse(p.read_text(encoding="utf-8")) for name, p in MODULES.items()}
+
+
+def _targets(node: ast.AST) -> list[str]:
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names]
+    if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+        return [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+    return []
+
+
+def _imports(name: str, *, module_level_only: bool) -> set[str]:
+    tree = TREES[name]
+    nodes = tree.body if module_level_only else list(ast.walk(tree))
+    return {t for n in nodes for t in _targets(n) if t in MODULES and t != name}
+
+
+def test_no_import_cycle():
+    graph = {m: _imports(m, module_level_only=False) for m in MODULES}
+    seen: dict[str, int] = {}  # 1 = on the stack, 2 = done
+    cycles: list[list[str]] = []
+
+    def visit(m: str, stack: list[str]) -> None:
+        seen[m] = 1
+        for n in sorted(graph[m]):
+            # `pkg/__init__` re-exporting its own modules is not a cycle of design.
+            if m.startswith(n + ".") or n.startswith(m + "."):
+                continue
+            if seen.get(n) == 1:
+                cycles.append(stack[stack.index(n):] + [n])
+            elif n not in seen:
+                visit(n, [*stack, n])
+        seen[m] = 2
+
+    for m in sorted(MODULES):
+        if m not in seen:
+            visit(m, [m])
+    assert cycles == []
+
+
+def test_the_advisor_knows_nothing_of_the_tuner():
+    bad = {m: sorted(i for i in _imports(m, module_level_only=False)
+                     if i.startswith(("autotune.proposers", "autotune.tuner")))
+           for m in MODULES if m.startswith("autotune.advisor")}
+    assert {m: v for m, v in bad.items() if v} == {}
+
+
+def test_the_core_reaches_exporters_only_where_it_wires_them():
+    users = {m for m in MODULES if m.startswith("autotune")
+             and any(i.startswith("exporters") for i in _imports(m, module_level_only=False))}
+    assert users <= CORE_TO_EXPORTERS, users - CORE_TO_EXPORTERS
+
+
+def test_no_silent_optional_import():
+    found = defaultdict(int)
+    for name, tree in TREES.items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ExceptHandler) and node.type is not None:
+                names = {n.id for n in ast.walk(node.type) if isinstance(n, ast.Name)}
+                if names & {"ImportError", "ModuleNotFoundError"}:
+                    found[name] += 1
+    assert set(found) <= ALLOWED_IMPORT_FALLBACKS, set(found) - ALLOWED_IMPORT_FALLBACKS
