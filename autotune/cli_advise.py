@@ -18,7 +18,7 @@ import click
 
 from autotune.advisor import evaluate, load_rules, patch_config
 from autotune.advisor.findings import FIRED, Change, Evidence, Finding
-from autotune.advisor.report import print_table, to_json
+from autotune.advisor.render import print_table, to_json
 from autotune.dsconfig import DsConfig, load_ds_config
 from autotune.errors import UserError
 from autotune.precision import requested_precisions

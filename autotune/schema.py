@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 SCHEMA_VERSION = 1
 
@@ -138,14 +138,3 @@ def _optional(name: str) -> bool:
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(StepRecord)}
-
-
-@dataclass(kw_only=True, slots=True)
-class RankSnapshot:
-    """The latest state of one rank, read by the Prometheus collector at each scrape."""
-
-    last: StepRecord | None = None
-    steps_total: int = 0
-    samples_total: float = 0.0
-    step_seconds_history: list[float] = field(default_factory=list)
-    utilization_window: list[float] = field(default_factory=list)

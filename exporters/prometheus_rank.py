@@ -25,6 +25,7 @@ import socket
 import threading
 from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import (
@@ -34,7 +35,7 @@ from prometheus_client.core import (
     Metric,
 )
 
-from autotune.schema import RankSnapshot, StepRecord
+from autotune.schema import StepRecord
 from autotune.summary import bubble_fraction, comm_compute_ratio, fluctuation, ideal_bubble_fraction
 from exporters.endpoint import Endpoint, serve_registry
 
@@ -47,6 +48,19 @@ MIN_RENDER_INTERVAL = 0.25
 """Seconds: a scrape may see a rendering this much older than the last step (fast steps only)."""
 DEFAULT_WINDOW = 20
 """Fluctuation window: the last N measured (non-warm-up) steps."""
+
+
+@dataclass(kw_only=True, slots=True)
+class RankSnapshot:
+    """The latest state of one rank, read by the Prometheus collector at each scrape.
+
+    The exporter's own state: it lives here, beside its only user, not in the CSV schema."""
+
+    last: StepRecord | None = None
+    steps_total: int = 0
+    samples_total: float = 0.0
+    step_seconds_history: list[float] = field(default_factory=list)
+    utilization_window: list[float] = field(default_factory=list)
 
 
 class RankExporter:
