@@ -215,10 +215,8 @@ def screenshot(page: Path, out: Path, width: int, height: int) -> None:
 
 def demo(seconds: float):
     """Context manager: in-process exporters + a real Prometheus (the live test's feed)."""
-    sys.path.insert(0, str(ROOT / "tests"))
-    sys.path.insert(0, str(ROOT))
-    from prom_helpers import prometheus_server
-    from test_live_prometheus import ALERTS, Feed, wait_for_history
+    sys.path.insert(0, str(ROOT / "grafana"))
+    from live_demo import ALERTS, Feed, prometheus_server, wait_for_history
 
     @contextlib.contextmanager
     def run():

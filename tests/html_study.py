@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from helpers_records import rec
+from builders import SMALL_STEP, record
 
 from autotune.metrics_csv import CsvSink
 from autotune.space import TrialConfig
@@ -14,6 +14,10 @@ from autotune.summary import summarize_trial
 
 SPACE = {"description": "global batch 32 fixed; micro in [1, 2, 4, 8], GAS derived", "bucket_range": [10_000, 240_000]}
 WORKLOAD = {"preset": "tiny", "pipeline_stages": 2, "data_parallel_size": 2, "steps": 4, "warmup_steps": 1}
+
+
+def rec(**kw):
+    return record(**{**SMALL_STEP, **kw})
 
 
 def new_study(root: Path, budget: int = 4) -> Study:

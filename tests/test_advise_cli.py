@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 import pytest
-from advise_helpers import csv_text, grid_records
+from builders import csv_text, grid_records
 from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st

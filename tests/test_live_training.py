@@ -11,8 +11,7 @@ import time
 
 import pytest
 import yaml
-from prom_helpers import free_port, prometheus_server
-from test_live_prometheus import (
+from dashboard_checks import (
     ABSENT_ON_CPU,
     ALERTS,
     DASH,
@@ -21,6 +20,7 @@ from test_live_prometheus import (
     expected_labels,
     substitute,
 )
+from prom_helpers import free_port, prometheus_server
 
 from exporters.prometheus_rank import LABEL_NAMES
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from advise_helpers import csv_text, grid_records, record
+from builders import csv_text, grid_records, record
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

@@ -141,3 +141,37 @@ def test_sigterm_stops_the_run_cleanly(tmp_path):
     assert [r[1] for r in rows(study)] == ["interrupted"]
     summary = check_consistent(study)
     assert summary["trials"][0]["status"] == "interrupted" and summary["best"] is None
+
+
+def test_controller_killed_during_the_resume_clean_up_leaves_no_shm_buffers(tmp_path):
+    """kill_resume_loop --seed 7 left two /dev/shm buffers of a trial whose port was stored.
+
+    A resumed controller used to mark the dead controller's trial `interrupted` before it
+    stopped the orphaned ranks and removed their buffers: killed in between, it left a row
+    the next resume no longer cleaned up after. The row must stay `running` until then.
+    """
+    cfg = write_config(tmp_path)
+    study = tmp_path / "st"
+    args = ["run", "--budget", "1", "--study", "st", "--config", str(cfg), *FAST]
+
+    # 1. the controller dies right after storing trial 0's group and port; its ranks run on
+    proc = start_cli(*args, cwd=tmp_path, env={"AUTOTUNE_TEST_CRASH_AT": "during-trial:0"})
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 99, out[-3000:]
+    port = master_port(study, 0)
+    assert port is not None
+    wait_for(lambda: shm_buffers(port), timeout=300)  # the orphaned ranks created their buffers
+
+    # 2. the resume dies as it starts cleaning up after trial 0 (where a SIGKILL could land)
+    proc = start_cli(*args, cwd=tmp_path, env={"AUTOTUNE_TEST_CRASH_AT": "recover:0"})
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 99, out[-3000:]
+    assert [r[1] for r in rows(study)] == ["running"]  # still marked for clean-up
+
+    # 3. the next resume stops the orphans, removes their buffers and runs trial 0 again
+    proc = start_cli(*args, cwd=tmp_path)
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out[-3000:]
+    assert shm_buffers(port) == []
+    assert [(r[0], r[1]) for r in rows(study)] == [(0, "interrupted"), (0, "ok")]
+    assert alive_under(tmp_path) == []

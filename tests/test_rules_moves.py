@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from advise_helpers import healthy_summary
+from builders import healthy_summary
 
 from autotune.advisor import check_config, evaluate, patch_config
 from autotune.dsconfig import DsConfig

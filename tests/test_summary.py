@@ -3,9 +3,13 @@
 import math
 
 import pytest
+from builders import SMALL_STEP, record
 
 from autotune.summary import fluctuation, ideal_bubble_fraction, summarize, summarize_trial
-from tests.helpers_records import rec
+
+
+def rec(**kw):
+    return record(**{**SMALL_STEP, **kw})
 
 
 def test_ideal_bubble_matches_1f1b_formula():

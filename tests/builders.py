@@ -1,4 +1,5 @@
-"""Small builders for advisor tests: a healthy TrialSummary to perturb, records, CSV text."""
+"""The tests' builders, in one place: a StepRecord (`record`), a healthy TrialSummary to
+perturb (`healthy_summary`), a grid of records, and CSV text as the product writes it."""
 
 from __future__ import annotations
 
@@ -35,6 +36,12 @@ def healthy_summary(**overrides: object) -> TrialSummary:
         base["bubble_fraction_ideal"] = ideal_bubble_fraction(base["pipeline_stages"],  # type: ignore[arg-type]
                                                               base["gradient_accumulation_steps"])  # type: ignore[arg-type]
     return TrialSummary(**base)  # type: ignore[arg-type]
+
+
+SMALL_STEP = dict(time=1000.0, samples_per_second=8.0, tokens_per_second=512.0, compute_seconds=0.5,
+                  comm_seconds=0.1, wait_seconds=0.3, data_seconds=0.0, device_utilization=0.5,
+                  micro_batch_size=2, gradient_accumulation_steps=2, seq_length=64)
+"""Overrides for a small 2 x 2 step with a sequence length (the summary tests' numbers)."""
 
 
 def record(**overrides: object) -> StepRecord:
