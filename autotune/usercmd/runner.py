@@ -1,0 +1,209 @@
+"""One trial of the user's own command: write its ds_config, launch the command, classify the end.
+
+Same interface and result as autotune.trial.TrialRunner (the Tuner cannot tell
+them apart) and the same trial folder: ds_config.json, launcher.log,
+metrics-rankR.csv. The ranks are instrumented by the bootstrap (hook.py), whose
+marker files add three reasons to autotune.trial.judge's classification:
+
+- `not_pipeline`: deepspeed.initialize returned a DeepSpeedEngine, not a PipelineEngine;
+- `no_engine`: the script exited 0 without ever calling deepspeed.initialize;
+- `ended_early`: the script returned by itself before the trial's warm-up + measured steps.
+
+Everything else (oom, killed, timeout, crash, no_metrics, ...) is judged as for the
+built-in workload.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from autotune.dsconfig import DEEPSPEED_DEFAULT_BUCKET, DsConfig
+from autotune.launcher import LaunchOutcome, LaunchSpec, TrialProcess, accelerator_env, free_port
+from autotune.space import TrialConfig
+from autotune.trial import TrialOutcome, _failed, _keep_old_log, judge
+from autotune.usercmd.command import UserCommand
+from autotune.usercmd.hook import ENV, MODE_PROBE, MODE_TRIAL, BootstrapSettings
+
+BOOTSTRAP_DIR = Path(__file__).resolve().parent / "bootstrap"
+PROBE_TIMEOUT = 900.0
+"""Seconds for the start-up shape probe (a first run may compile DeepSpeed's CPU ops)."""
+
+
+class CommandProcess(TrialProcess):
+    """TrialProcess (process group, timeout, clean-up, /dev/shm by port) running the user's command.
+
+    Only `start` differs: launcher.build_command writes autotune's own script and
+    `--no_local_rank`, and a user's script may need `--local_rank`.
+    """
+
+    def __init__(self, spec: LaunchSpec, command: UserCommand, ds_config: Path, cwd: Path) -> None:
+        super().__init__(spec)
+        self.command, self.ds_config, self.cwd = command, ds_config, cwd
+
+    def start(self) -> str | None:
+        env = {**os.environ, **accelerator_env(), **self.spec.env}
+        self.spec.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.master_port = free_port()
+        argv = self.command.argv_for(self.ds_config, self.master_port)
+        log = open(self.spec.log_path, "wb")
+        try:
+            self.proc = subprocess.Popen(argv, cwd=self.cwd, stdout=log, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+        except OSError as exc:
+            return f"cannot start the launcher {argv[0]!r}: {exc.strerror}"
+        finally:
+            log.close()
+        return None
+
+
+def rank_env(settings: BootstrapSettings) -> dict[str, str]:
+    """The bootstrap first on the ranks' path, and what it should do."""
+    path = os.environ.get("PYTHONPATH", "")
+    return {"PYTHONPATH": str(BOOTSTRAP_DIR) + (os.pathsep + path if path else ""),
+            ENV: settings.to_env()}
+
+
+def launch(command: UserCommand, *, ds_config: Path, cwd: Path, run_dir: Path, settings: BootstrapSettings,
+           timeout: float, on_start: Callable[[TrialProcess], None] | None = None) -> LaunchOutcome:
+    spec = LaunchSpec(num_ranks=0, script_args=[], log_path=run_dir / "launcher.log", timeout=timeout,
+                      env=rank_env(settings), launcher=list(command.prefix))
+    proc = CommandProcess(spec, command, ds_config, cwd)
+    try:
+        error = proc.start()
+        if error is not None:
+            spec.log_path.write_text(error + "\n", encoding="utf-8")
+            return LaunchOutcome(returncode=None, timed_out=False, wall_seconds=0.0,
+                                 log_path=spec.log_path, launch_error=error)
+        if on_start is not None:
+            on_start(proc)
+        rc, timed_out = proc.wait()
+    finally:
+        proc.stop(grace=2.0)  # ranks the launcher left behind, or a Ctrl-C: the whole group goes
+    return LaunchOutcome(returncode=rc, timed_out=timed_out, wall_seconds=time.monotonic() - proc.started,
+                         log_path=spec.log_path)
+
+
+def read_markers(run_dir: Path, kind: str) -> list[dict]:
+    out = []
+    for p in sorted(run_dir.glob(f"{kind}-rank*.json")):
+        try:
+            out.append(json.loads(p.read_text(encoding="utf-8")))
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+def judge_user_trial(outcome: LaunchOutcome, run_dir: Path, timeout: float, *, steps_needed: int) -> TrialOutcome:
+    """The bootstrap's markers first (what only it can tell), then the built-in classification."""
+    wall = outcome.wall_seconds
+    if outcome.launch_error is not None:
+        return _failed("launcher_missing", outcome.launch_error, wall)
+    engines = read_markers(run_dir, "engine")
+    other = next((e for e in engines if not e.get("pipeline")), None)
+    if other is not None:
+        return _failed("not_pipeline", f"the script built a {other.get('engine', 'DeepSpeedEngine')}, not a "
+                                       "PipelineEngine; autotune tunes pipeline-parallel jobs", wall)
+    if outcome.timed_out and not engines:
+        return _failed("timeout", f"no result within {timeout:.0f} s, and the script had not returned "
+                                  "from deepspeed.initialize; every rank was stopped", wall)
+    if not outcome.timed_out and outcome.returncode == 0:
+        if not engines:
+            return _failed("no_engine", "the script exited without calling deepspeed.initialize", wall)
+        exits = read_markers(run_dir, "exit")
+        if exits and not read_markers(run_dir, "done"):
+            calls = min(int(e.get("train_batch_calls", 0)) for e in exits)
+            return _failed("ended_early", f"the script returned after {calls} train_batch() call(s); a trial "
+                                          f"needs {steps_needed} (warm-up + measured steps): let it run "
+                                          "more steps (e.g. a larger --steps of its own)", wall)
+    return judge(outcome, run_dir, timeout)
+
+
+@dataclass(kw_only=True, slots=True)
+class PipelineShape:
+    """What the engine says about the job (measured, not asked of the user)."""
+
+    stages: int
+    data_parallel_size: int
+    micro_batch_size: int
+    gradient_accumulation_steps: int
+    parameters: int
+    """The whole model's parameters: each stage's counted once."""
+
+
+def probe_shape(command: UserCommand, *, ds_config: Path, cwd: Path,
+                timeout: float = PROBE_TIMEOUT) -> tuple[PipelineShape | None, TrialOutcome | None, Path]:
+    """Start the job once, up to deepspeed.initialize, to read stages and dp from its engine.
+
+    Returns (shape, None, folder) or (None, the classified failure, folder with its log).
+    """
+    run_dir = Path(tempfile.mkdtemp(prefix="autotune-probe-"))
+    settings = BootstrapSettings(mode=MODE_PROBE, trial_dir=str(run_dir))
+    outcome = launch(command, ds_config=ds_config, cwd=cwd, run_dir=run_dir, settings=settings,
+                     timeout=timeout)
+    engines = read_markers(run_dir, "engine")
+    done = read_markers(run_dir, "done")
+    if outcome.returncode == 0 and not outcome.timed_out and engines and done:
+        first = engines[0]
+        per_stage = {e["stage"]: e["parameters"] for e in engines if e.get("pipeline")}
+        return PipelineShape(stages=first["stages"], data_parallel_size=first["dp"],
+                             micro_batch_size=first["micro_batch_size"],
+                             gradient_accumulation_steps=first["gradient_accumulation_steps"],
+                             parameters=sum(per_stage.values())), None, run_dir
+    failure = judge_user_trial(outcome, run_dir, timeout, steps_needed=0)
+    if failure.result.ok:  # exit 0 with metrics but no done marker: cannot happen in probe mode
+        failure = _failed("crash", "the start-up check ended without reaching deepspeed.initialize", 0.0)
+    return None, failure, run_dir
+
+
+class UserCommandRunner:
+    """Runs trials of the user's command; the interface of autotune.trial.TrialRunner."""
+
+    def __init__(self, command: UserCommand, base_config: DsConfig, *, cwd: Path, data_parallel_size: int,
+                 steps: int, warmup_steps: int, job: str = "autotune", metrics_port: int | None = None,
+                 metrics_addr: str = "127.0.0.1") -> None:
+        self.command, self.base_config, self.cwd = command, base_config, cwd
+        self.data_parallel_size = data_parallel_size
+        self.steps, self.warmup_steps = steps, warmup_steps
+        self.job, self.metrics_port, self.metrics_addr = job, metrics_port, metrics_addr
+
+    def _is_unchanged(self, config: TrialConfig) -> bool:
+        """The user's own config would run exactly this: write it as it is."""
+        layout = self.base_config.resolve_batch(self.data_parallel_size)
+        own_bucket = self.base_config.reduce_bucket_size or DEEPSPEED_DEFAULT_BUCKET
+        return (config.micro_batch_size == layout.micro_batch_size
+                and config.gradient_accumulation_steps == layout.gradient_accumulation_steps
+                and config.reduce_bucket_size in (None, own_bucket))
+
+    def ds_config_for(self, config: TrialConfig) -> dict:
+        if self._is_unchanged(config):
+            return self.base_config.to_dict()
+        return self.base_config.with_trial(
+            micro_batch_size=config.micro_batch_size,
+            gradient_accumulation_steps=config.gradient_accumulation_steps,
+            data_parallel_size=self.data_parallel_size, reduce_bucket_size=config.reduce_bucket_size,
+        ).to_dict()
+
+    def run(self, number: int, config: TrialConfig, trial_dir: Path, *, timeout: float,
+            on_start: Callable[[TrialProcess], None] | None = None) -> TrialOutcome:
+        trial_dir = trial_dir.resolve()  # absolute on every command line: leftovers are found by it
+        trial_dir.mkdir(parents=True, exist_ok=True)
+        for pattern in ("metrics-rank*.csv", "engine-rank*.json", "done-rank*.json", "exit-rank*.json"):
+            for old in trial_dir.glob(pattern):  # a re-run after an interruption starts clean
+                old.unlink()
+        _keep_old_log(trial_dir / "launcher.log")
+        ds_path = trial_dir / "ds_config.json"
+        ds_path.write_text(json.dumps(self.ds_config_for(config), indent=2) + "\n", encoding="utf-8")
+        settings = BootstrapSettings(mode=MODE_TRIAL, trial_dir=str(trial_dir), trial=number,
+                                     warmup_steps=self.warmup_steps, steps=self.steps,
+                                     metrics_port=self.metrics_port, metrics_addr=self.metrics_addr,
+                                     job=self.job)
+        outcome = launch(self.command, ds_config=ds_path, cwd=self.cwd, run_dir=trial_dir,
+                         settings=settings, timeout=timeout, on_start=on_start)
+        return judge_user_trial(outcome, trial_dir, timeout, steps_needed=settings.total_steps)
