@@ -8,6 +8,7 @@ import click
 
 from autotune import __version__
 from autotune.errors import AutotuneError
+from autotune.options import click_options
 
 
 class _ReportedError(click.ClickException):
@@ -35,75 +36,28 @@ def cli() -> None:
     """Profile and auto-tune DeepSpeed pipeline-parallel training."""
 
 
-@cli.command("run")
-@click.option("--budget", type=int, default=None,
-              help="Trials to run, baseline included [default: 20; a resumed study keeps its own].")
-@click.option("--study", "study", default="autotune-study", show_default=True, help="Study folder.")
-@click.option("--resume", is_flag=True, help="Continue the study in --study (rerunning with it does too).")
-@click.option("--config", type=click.Path(dir_okay=False), default=None,
-              help="Starting ds_config.json (default: the built-in workload's).")
-@click.option("--tuner", default="hybrid", show_default=True,
-              help="hybrid, bayes, random, grid or ds-autotuner.")
-@click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--preset", default="tiny", show_default=True, help="Workload: tiny, small, llama-7b, llama-13b.")
-@click.option("--stages", type=int, default=2, show_default=True, help="Pipeline stages.")
-@click.option("--dp", type=int, default=2, show_default=True, help="Data-parallel degree (ranks = stages x dp).")
-@click.option("--global-batch", type=int, default=None,
-              help="Fixed global batch (default: the starting config's train_batch_size).")
-@click.option("--free-batch", is_flag=True, help="Let the global batch vary (micro and GAS both searched).")
-@click.option("--max-global-batch", type=int, default=None, help="Upper bound with --free-batch.")
-@click.option("--micro-min", type=int, default=1, show_default=True)
-@click.option("--micro-max", type=int, default=64, show_default=True)
-@click.option("--gas-min", type=int, default=1, show_default=True)
-@click.option("--gas-max", type=int, default=64, show_default=True)
-@click.option("--integer-micro", is_flag=True, help="Any integer micro-batch, not only powers of two.")
-@click.option("--bucket-min", type=float, default=1e4, show_default=True, help="reduce_bucket_size, elements.")
-@click.option("--bucket-max", type=float, default=5e8, show_default=True)
-@click.option("--steps", type=int, default=6, show_default=True, help="Measured steps per trial.")
-@click.option("--warmup-steps", type=int, default=2, show_default=True)
-@click.option("--trial-timeout", type=float, default=None,
-              help="Seconds per trial (default: derived from the slowest finished trial).")
-@click.option("--partition-method", default="parameters", show_default=True)
-@click.option("--activation-checkpoint-interval", type=int, default=0, show_default=True)
-@click.option("--tokens", type=click.Path(dir_okay=False), default=None, help="Token file instead of synthetic data.")
-@click.option("--metrics-port", type=int, default=None, help="Serve the controller's Prometheus metrics here.")
-@click.option("--rank-metrics-port", type=int, default=None, help="Base port of each rank's endpoint.")
-@click.option("--metrics-addr", default="127.0.0.1", show_default=True,
-              help="Bind address of the endpoints (anything but loopback exposes them).")
-@click.option("--slow-stage", type=int, default=None, hidden=True)
-@click.option("--slow-factor", type=int, default=1, hidden=True)
-@click.option("--fault", default=None, hidden=True)
+# COMMAND: the user's own training job after `--` (autotune/usercmd, docs/user-script.md).
+# Option parsing stops at its first word, so its options are never read as autotune's; an
+# unknown option before it stays an error (no ignore_unknown_options: a typo is not a command).
+@cli.command("run", context_settings={"allow_interspersed_args": False})
+@click_options
+@click.argument("command", nargs=-1, type=click.UNPROCESSED, metavar="[-- COMMAND...]")
 def run_cmd(**kw) -> None:
-    """Tune micro-batch, gradient accumulation and reduce_bucket_size with real trials."""
-    from autotune.errors import UserError
-    from autotune.session import RunOptions, tune
+    """Tune micro-batch, gradient accumulation and reduce_bucket_size with real trials.
+
+    Without COMMAND: the built-in workload. With it, your own job, unchanged:
+    autotune run -- deepspeed train.py --deepspeed_config ds_config.json
+
+    Every option, its default, unit and range, is declared once in autotune/options.py.
+    """
+    from autotune.options import from_cli
+    from autotune.session import tune
     from autotune.study import stored_budget
-    from autotune.trial import WorkloadOptions
 
     budget = kw["budget"] if kw["budget"] is not None else (stored_budget(kw["study"]) or 20)
-    buckets = {}
-    for name in ("bucket_min", "bucket_max"):
-        v = kw[name]
-        if not (v == v and abs(v) < 1e15):  # NaN and inf never reach int()
-            raise UserError(f"--{name.replace('_', '-')} must be a finite number of elements, got {v}")
-        buckets[name] = int(v)
-    wl = WorkloadOptions(
-        preset=kw["preset"], pipeline_stages=kw["stages"], data_parallel_size=kw["dp"],
-        steps=kw["steps"], warmup_steps=kw["warmup_steps"], partition_method=kw["partition_method"],
-        activation_checkpoint_interval=kw["activation_checkpoint_interval"], tokens=kw["tokens"],
-        slow_stage=kw["slow_stage"], slow_factor=kw["slow_factor"], faults=kw["fault"] or "",
-    )
-    opts = RunOptions(
-        budget=budget, study=kw["study"], resume=kw["resume"], config=kw["config"],
-        tuner=kw["tuner"], seed=kw["seed"], global_batch=kw["global_batch"], free_batch=kw["free_batch"],
-        max_global_batch=kw["max_global_batch"], micro_min=kw["micro_min"], micro_max=kw["micro_max"],
-        gas_min=kw["gas_min"], gas_max=kw["gas_max"], integer_micro=kw["integer_micro"],
-        bucket_min=buckets["bucket_min"], bucket_max=buckets["bucket_max"],
-        trial_timeout=kw["trial_timeout"], metrics_port=kw["metrics_port"],
-        rank_metrics_port=kw["rank_metrics_port"], metrics_addr=kw["metrics_addr"], workload=wl,
-    )
+    opts = from_cli(kw, budget=budget)
     try:
-        result = tune(opts)
+        result = tune(opts, command=list(kw["command"]) or None)
     except KeyboardInterrupt:  # before the first trial started: nothing to stop
         click.echo("autotune: interrupted before any trial ran; nothing to clean up", err=True)
         sys.exit(130)

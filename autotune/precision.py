@@ -20,12 +20,9 @@ from dataclasses import dataclass, field
 
 from autotune.dsconfig import DsConfig
 from autotune.errors import ConfigError, UserError
+from autotune.faults import DEVICE_PRECISIONS_ENV as TEST_OVERRIDE_ENV
 
 PRECISIONS = ("fp16", "bf16")
-
-TEST_OVERRIDE_ENV = "AUTOTUNE_TEST_DEVICE_PRECISIONS"
-"""Testing seam: "fp32" or "fp32,bf16" makes the probe answer as a device that has only
-those, so the refusal path is tested on every CPU, whatever it really supports."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,91 +16,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from autotune.dsconfig import DsConfig
-from autotune.errors import InputFileError, UserError
+from autotune.errors import InputFileError
+from autotune.faults import RANK_FAULTS
 from autotune.launcher import LaunchOutcome, LaunchSpec, TrialProcess
 from autotune.loaders.metrics import read_trial_columns
+from autotune.options import WorkloadOptions
 from autotune.proposers.base import STATUS_FAILED, STATUS_OK, TrialResult
 from autotune.space import TrialConfig
 from autotune.summary import TrialSummary, summarize_columns
 from autotune.workload.train import EXIT_LOSS_SCALE, EXIT_NONFINITE_LOSS, EXIT_OOM
+from autotune.workload.trial_spec import SPEC_NAME, TrialSpec
 
 OOM_PATTERN = re.compile(r"out of memory|OutOfMemoryError|CUDA error: out of memory", re.I)
 MISSING_PATTERN = re.compile(r"No module named '?deepspeed|can't open file .*train\.py")
-
-RANK_FAULTS = ("oom", "hang", "kill", "nan", "nometrics", "overflow")
-"""Test-only faults a rank injects (autotune/workload/train.py)."""
-CONTROLLER_FAULTS = ("nolauncher", "noscript")
-"""Test-only faults the runner injects: a launcher or training script that does not exist."""
-
-
-def parse_faults(spec: str | None) -> dict[int | None, str]:
-    """`KIND[@TRIAL],...` -> {trial or None (every trial): KIND}. Test-only, hidden `--fault`."""
-    plan: dict[int | None, str] = {}
-    for part in (spec or "").split(","):
-        part = part.strip()
-        if not part:
-            continue
-        kind, at, num = part.partition("@")
-        if kind not in RANK_FAULTS + CONTROLLER_FAULTS:
-            raise UserError(f"--fault {part!r}: unknown fault; use one of "
-                            f"{', '.join(RANK_FAULTS + CONTROLLER_FAULTS)}, optionally @TRIAL")
-        if at and not (num.isascii() and num.isdigit()):
-            raise UserError(f"--fault {part!r}: the trial after @ must be a number")
-        plan[int(num) if at else None] = kind
-    return plan
-
-
-@dataclass(kw_only=True, slots=True)
-class WorkloadOptions:
-    """How every trial of a study runs the workload (fixed for the whole study)."""
-
-    preset: str = "tiny"
-    pipeline_stages: int = 2
-    data_parallel_size: int = 2
-    steps: int = 6
-    """Measured steps per trial."""
-    warmup_steps: int = 2
-    partition_method: str = "parameters"
-    activation_checkpoint_interval: int = 0
-    tokens: str | None = None
-    slow_stage: int | None = None
-    slow_factor: int = 1
-    threads: int = 1
-    seed: int = 1234
-    job: str = "autotune"
-    metrics_port: int | None = None
-    """Base port of the per-rank Prometheus endpoints; None = no endpoints."""
-    metrics_addr: str = "127.0.0.1"
-    extra_args: tuple[str, ...] = ()
-    """Passed through to the training script (test-only)."""
-    faults: str = ""
-    """Test-only fault injection, `KIND[@TRIAL],...` (see parse_faults)."""
-
-    def fault_for(self, trial: int) -> str | None:
-        plan = parse_faults(self.faults)
-        return plan.get(trial, plan.get(None))
-
-    @property
-    def world_size(self) -> int:
-        return self.pipeline_stages * self.data_parallel_size
-
-    def script_args(self, *, ds_config: Path, metrics_csv: str, trial: int) -> list[str]:
-        args = ["--ds-config", str(ds_config), "--metrics-csv", metrics_csv,
-                "--preset", self.preset, "--stages", str(self.pipeline_stages),
-                "--steps", str(self.steps), "--warmup-steps", str(self.warmup_steps),
-                "--trial", str(trial), "--partition-method", self.partition_method,
-                "--activation-checkpoint-interval", str(self.activation_checkpoint_interval),
-                "--threads", str(self.threads), "--seed", str(self.seed), "--job", self.job]
-        if self.tokens:
-            args += ["--tokens", self.tokens]
-        if self.slow_stage is not None:
-            args += ["--slow-stage", str(self.slow_stage), "--slow-factor", str(self.slow_factor)]
-        if self.metrics_port is not None:
-            args += ["--metrics-port", str(self.metrics_port), "--metrics-addr", self.metrics_addr]
-        fault = self.fault_for(trial)
-        if fault in RANK_FAULTS:
-            args += ["--fault", fault]
-        return args + list(self.extra_args)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -128,6 +56,13 @@ class TrialRunner:
             reduce_bucket_size=config.reduce_bucket_size,
         ).to_dict()
 
+    def describe(self, number: int, trial_dir: Path) -> TrialSpec:
+        """What trial `number`'s ranks are told (written as trial-NNN/trial.json)."""
+        fault = self.workload.fault_for(number)
+        return TrialSpec(workload=self.workload, trial=number, ds_config=str(trial_dir / "ds_config.json"),
+                         metrics_csv=str(trial_dir / "metrics-rank{rank}.csv"),
+                         fault=fault if fault in RANK_FAULTS else None)  # a runner fault stays here
+
     def run(self, number: int, config: TrialConfig, trial_dir: Path, *, timeout: float,
             on_start: Callable[[TrialProcess], None] | None = None) -> TrialOutcome:
         trial_dir = trial_dir.resolve()  # absolute in every command line: leftovers are found by it
@@ -137,15 +72,15 @@ class TrialRunner:
         _keep_old_log(trial_dir / "launcher.log")
         ds_path = trial_dir / "ds_config.json"
         ds_path.write_text(json.dumps(self.ds_config_for(config), indent=2) + "\n", encoding="utf-8")
+        fault = self.workload.fault_for(number)
+        description = self.describe(number, trial_dir)
         spec = LaunchSpec(
             num_ranks=self.workload.world_size,
-            script_args=self.workload.script_args(
-                ds_config=ds_path, metrics_csv=str(trial_dir / "metrics-rank{rank}.csv"), trial=number),
+            script_args=["--trial-spec", str(description.write(trial_dir / SPEC_NAME))],
             log_path=trial_dir / "launcher.log", timeout=timeout,
         )
         if self.launcher is not None:
             spec.launcher = list(self.launcher)
-        fault = self.workload.fault_for(number)
         if fault == "nolauncher":
             spec.launcher = [str(trial_dir / "no-such-launcher")]
         elif fault == "noscript":

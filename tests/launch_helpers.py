@@ -10,7 +10,9 @@ from pathlib import Path
 
 from autotune.launcher import LaunchSpec, run_trial_process
 from autotune.metrics_csv import read_metrics_csv
+from autotune.options import WorkloadOptions
 from autotune.summary import TrialSummary, summarize_trial
+from autotune.workload.trial_spec import SPEC_NAME, TrialSpec
 
 
 def autotune_cli(*args: str, cwd: Path, timeout: float = 900, env: dict | None = None):
@@ -19,18 +21,20 @@ def autotune_cli(*args: str, cwd: Path, timeout: float = 900, env: dict | None =
                           text=True, timeout=timeout, env={**os.environ, **(env or {})})
 
 
-def run_ranks(tmp: Path, ds_config: dict, *, ranks: int = 2, extra: list[str] = (), steps: int = 4,
-              warmup: int = 1, preset: str = "small", stages: int = 2) -> tuple[list, TrialSummary | None, int]:
-    """One real multi-process training run of the built-in workload; returns (records, summary, rc)."""
+def run_ranks(tmp: Path, ds_config: dict, *, ranks: int = 2, steps: int = 4, warmup: int = 1,
+              preset: str = "small", stages: int = 2, **workload) -> tuple[list, TrialSummary | None, int]:
+    """One real multi-process training run of the built-in workload; returns (records, summary, rc).
+
+    The ranks get a trial description as `autotune run` writes one; `workload` sets any
+    other WorkloadOptions field (partition_method="uniform", slow_stage=1, ...)."""
     tmp.mkdir(parents=True, exist_ok=True)
     cfg = tmp / "ds_config.json"
     cfg.write_text(json.dumps(ds_config))
-    spec = LaunchSpec(
-        num_ranks=ranks, log_path=tmp / "launcher.log", timeout=600,
-        script_args=["--ds-config", str(cfg), "--metrics-csv", str(tmp / "m{rank}.csv"),
-                     "--preset", preset, "--stages", str(stages), "--steps", str(steps),
-                     "--warmup-steps", str(warmup), *extra],
-    )
+    wl = WorkloadOptions(preset=preset, pipeline_stages=stages, data_parallel_size=ranks // stages,
+                         steps=steps, warmup_steps=warmup, **workload)
+    trial = TrialSpec(workload=wl, trial=-1, ds_config=str(cfg), metrics_csv=str(tmp / "m{rank}.csv"))
+    spec = LaunchSpec(num_ranks=ranks, log_path=tmp / "launcher.log", timeout=600,
+                      script_args=["--trial-spec", str(trial.write(tmp / SPEC_NAME))])
     out = run_trial_process(spec)
     records = [r for p in sorted(tmp.glob("m*.csv")) for r in read_metrics_csv(p)]
     return records, (summarize_trial(records) if records else None), out.returncode

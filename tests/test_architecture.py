@@ -27,6 +27,8 @@ ALLOWED_IMPORT_FALLBACKS = {
     "autotune.precision",
     # Without torch there is no CUDA allocator: fragmentation is "not available", never 0.
     "exporters.devices",
+    # A user's job run by another Python than autotune's: the rank says so and runs uninstrumented.
+    "autotune.usercmd.bootstrap.sitecustomize",
 }
 
 

@@ -19,11 +19,14 @@ import pytest
 from click.testing import CliRunner
 
 from autotune.cli import cli
+from autotune.dsconfig import DsConfig
 from autotune.errors import UserError
+from autotune.faults import parse_faults
 from autotune.launcher import group_alive, processes_with, stop_leftovers
+from autotune.options import WorkloadOptions
 from autotune.space import TrialConfig
 from autotune.study import STATUS_OK, Study, stored_budget
-from autotune.trial import WorkloadOptions, parse_faults
+from autotune.trial import TrialRunner
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -220,7 +223,7 @@ def test_a_result_is_recorded_once_and_counted_once(tmp_path):
     assert stored_budget(tmp_path / "nothing") is None
 
 
-def test_fault_specs():
+def test_fault_specs(tmp_path):
     assert parse_faults("oom@1,kill@3") == {1: "oom", 3: "kill"}
     assert parse_faults("nan") == {None: "nan"}
     assert parse_faults("") == {}
@@ -228,11 +231,11 @@ def test_fault_specs():
         with pytest.raises(UserError):
             parse_faults(bad)
     wl = WorkloadOptions(faults="oom@1,nolauncher@2")
-    args1 = wl.script_args(ds_config=Path("/x/ds.json"), metrics_csv="m.csv", trial=1)
-    args2 = wl.script_args(ds_config=Path("/x/ds.json"), metrics_csv="m.csv", trial=2)
-    assert args1[-2:] == ["--fault", "oom"]
-    assert "--fault" not in args2  # a controller-side fault never reaches the rank
-    assert "--fault" not in wl.script_args(ds_config=Path("/x"), metrics_csv="m", trial=0)
+    runner = TrialRunner(wl, DsConfig.from_dict({"train_micro_batch_size_per_gpu": 1}))
+    told = {n: runner.describe(n, tmp_path / f"trial-{n}").fault for n in (0, 1, 2)}
+    assert told[1] == "oom"
+    assert told[2] is None  # a controller-side fault never reaches the rank
+    assert told[0] is None
 
 
 def test_derived_timeout_follows_the_slowest_finished_trial(tmp_path):

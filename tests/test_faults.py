@@ -12,9 +12,10 @@ from robust_helpers import FAST, alive_under, rows, start_cli, write_config
 
 from autotune.dsconfig import DsConfig
 from autotune.launcher import group_alive
+from autotune.options import WorkloadOptions
 from autotune.precision import probe_devices
 from autotune.space import TrialConfig
-from autotune.trial import TrialRunner, WorkloadOptions
+from autotune.trial import TrialRunner
 
 pytestmark = pytest.mark.slow
 

@@ -27,9 +27,8 @@ def test_injected_slow_stage_shows_as_imbalance_and_waiting(tmp_path):
     it to ~5 %.
     """
     cfg = pipeline_config(8, 4)
-    extra = ["--partition-method", "uniform", "--slow-stage", "1",
-             "--slow-factor", str(FACTOR), "--slow-every", "2"]
-    records, _, rc = run_ranks(tmp_path, cfg, extra=extra, steps=40)
+    records, _, rc = run_ranks(tmp_path, cfg, steps=40, partition_method="uniform", slow_stage=1,
+                               slow_factor=FACTOR, slow_every=2)
     assert rc == 0
     slow = summarize_trial([r for r in records if r.step % 2 == 0])
     base = summarize_trial([r for r in records if r.step % 2 == 1])
@@ -49,8 +48,7 @@ def test_balanced_bubble_tracks_the_ideal(tmp_path):
     """
     measured = {}
     for m in (1, 2, 8):
-        _, s, rc = run_ranks(tmp_path / f"m{m}", pipeline_config(4, m), steps=6,
-                             extra=["--partition-method", "uniform"])
+        _, s, rc = run_ranks(tmp_path / f"m{m}", pipeline_config(4, m), steps=6, partition_method="uniform")
         assert rc == 0
         measured[m] = (s.bubble_fraction_measured, s.bubble_fraction_ideal)
     for got, ideal in measured.values():

@@ -10,9 +10,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 import time
+
+from autotune.workload.trial_spec import TrialSpec
 
 EXIT_NONFINITE_LOSS = 42
 EXIT_OOM = 43
@@ -23,76 +24,60 @@ LOSS_SCALE_PATIENCE = 3
 """Overflowing steps in a row at the minimum loss scale that count as a collapse."""
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> TrialSpec:
+    """The trial description the controller wrote (autotune/workload/trial_spec.py)."""
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--ds-config", required=True)
-    p.add_argument("--preset", default="tiny")
-    p.add_argument("--stages", type=int, default=2)
-    p.add_argument("--steps", type=int, default=6, help="measured steps after warm-up")
-    p.add_argument("--warmup-steps", type=int, default=2)
-    p.add_argument("--trial", type=int, default=-1)
-    p.add_argument("--metrics-csv", required=True, help="path; {rank} is replaced by the global rank")
-    p.add_argument("--metrics-port", type=int, default=None)
-    p.add_argument("--metrics-addr", default="127.0.0.1")
-    p.add_argument("--job", default="autotune")
-    p.add_argument("--partition-method", default="parameters")
-    p.add_argument("--activation-checkpoint-interval", type=int, default=0)
-    p.add_argument("--tokens", default=None, help="token file (.npy, .bin uint16, or raw bytes)")
-    p.add_argument("--slow-stage", type=int, default=None)
-    p.add_argument("--slow-factor", type=int, default=1)
-    p.add_argument("--slow-every", type=int, default=1, help=argparse.SUPPRESS)
-    p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--threads", type=int, default=1, help="torch threads per rank (CPU)")
-    p.add_argument("--fault", default=None, help=argparse.SUPPRESS)  # test-only fault injection
-    p.add_argument("--fault-rank", type=int, default=1, help=argparse.SUPPRESS)
-    p.add_argument("--step-sleep", type=float, default=0.0, help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    p.add_argument("--trial-spec", required=True, help="trial.json written by the controller")
+    return TrialSpec.read(p.parse_args(argv).trial_spec)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    if args.fault == "nometrics":  # test-only: every rank exits 0 at once, no metrics written
+    spec = parse_args(argv)
+    wl = spec.workload
+    if spec.fault == "nometrics":  # testing seam: every rank exits 0 at once, no metrics written
         return 0
     import torch
 
-    torch.set_num_threads(args.threads)
+    torch.set_num_threads(wl.threads)
     import deepspeed
 
+    from autotune.faults import inject_rank_fault
     from autotune.instrument import instrument
     from autotune.workload.data import batches, load_token_file, synthetic_tokens
     from autotune.workload.model import build_pipeline_module
     from autotune.workload.presets import get_preset
     from autotune.workload.slowdown import stretch_compute
 
-    preset = get_preset(args.preset)
+    preset = get_preset(wl.preset)
     deepspeed.init_distributed()
-    torch.manual_seed(args.seed)
+    torch.manual_seed(wl.seed)
     module = build_pipeline_module(
-        preset, stages=args.stages, partition_method=args.partition_method,
-        activation_checkpoint_interval=args.activation_checkpoint_interval, seed=args.seed,
+        preset, stages=wl.pipeline_stages, partition_method=wl.partition_method,
+        activation_checkpoint_interval=wl.activation_checkpoint_interval, seed=wl.seed,
     )
-    with open(args.ds_config, encoding="utf-8") as fh:
+    with open(spec.ds_config, encoding="utf-8") as fh:
         ds_config = json.load(fh)
     engine, _, _, _ = deepspeed.initialize(
         model=module, model_parameters=[p for p in module.parameters() if p.requires_grad],
         config=ds_config,
     )
     rank = engine.global_rank
-    if args.slow_stage is not None and engine.stage_id == args.slow_stage:
-        stretch_compute(engine, args.slow_factor, args.slow_every)  # before instrument(): the probe times it
-    probe = instrument(engine, csv_path=args.metrics_csv, metrics_port=args.metrics_port,
-                       metrics_addr=args.metrics_addr, trial=args.trial, job=args.job,
-                       warmup_steps=args.warmup_steps, seq_length=preset.seq_length)
-    tokens = (load_token_file(args.tokens, preset.vocab_size) if args.tokens
-              else synthetic_tokens(preset.vocab_size, 200_000, seed=args.seed))
+    if wl.slow_stage is not None and engine.stage_id == wl.slow_stage:
+        stretch_compute(engine, wl.slow_factor, wl.slow_every)  # before instrument(): the probe times it
+    probe = instrument(engine, csv_path=spec.metrics_csv, metrics_port=wl.metrics_port,
+                       metrics_addr=wl.metrics_addr, trial=spec.trial, job=wl.job,
+                       warmup_steps=wl.warmup_steps, seq_length=preset.seq_length)
+    tokens = (load_token_file(wl.tokens, preset.vocab_size) if wl.tokens
+              else synthetic_tokens(preset.vocab_size, 200_000, seed=wl.seed))
     dp_rank = engine.grid.get_data_parallel_rank()
     data = batches(tokens, micro_batch=engine.train_micro_batch_size_per_gpu(),
-                   seq=preset.seq_length, seed=args.seed + dp_rank)
+                   seq=preset.seq_length, seed=wl.seed + dp_rank)
 
-    total = args.warmup_steps + args.steps
+    total = wl.warmup_steps + wl.steps
     collapsed_steps, skipped = 0, getattr(engine, "skipped_steps", 0)
     for step in range(total):
-        _maybe_fault(args, engine, rank, step, total)
+        inject_rank_fault(spec.fault, fault_rank=spec.fault_rank, engine=engine, rank=rank, step=step,
+                          total=total)
         try:
             loss = engine.train_batch(data_iter=data)
         except torch.OutOfMemoryError as exc:
@@ -104,8 +89,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"autotune: fp16 loss scale collapsed on rank {rank} at step {step}: {exc}",
                   file=sys.stderr, flush=True)
             return EXIT_LOSS_SCALE
-        if args.step_sleep:
-            time.sleep(args.step_sleep)
+        if spec.step_sleep:
+            time.sleep(spec.step_sleep)
         scale, floor = _loss_scale(engine)
         now_skipped = getattr(engine, "skipped_steps", 0)
         overflowed, skipped = now_skipped > skipped, now_skipped
@@ -139,29 +124,6 @@ def _loss_scale(engine) -> tuple[float | None, float | None]:
             return None, None
         cur, floor = getattr(scaler, "cur_scale", None), getattr(scaler, "min_scale", None)
     return (float(cur) if cur is not None else None), (float(floor) if floor is not None else None)
-
-
-def _maybe_fault(args: argparse.Namespace, engine, rank: int, step: int, total: int) -> None:
-    """Test-only faults, injected on purpose by the fault-handling tests."""
-    at = 0 if args.fault == "overflow" else min(2, total - 1)
-    if args.fault is None or rank != args.fault_rank or step != at:
-        return
-    import torch
-
-    if args.fault == "oom":
-        raise torch.OutOfMemoryError("injected: CUDA out of memory. Tried to allocate 2.00 GiB")
-    if args.fault == "hang":
-        while True:
-            time.sleep(1)
-    if args.fault == "kill":
-        os.kill(os.getpid(), 9)
-    if args.fault == "nan":  # a real NaN: poison a weight, the loss computed from it is NaN
-        with torch.no_grad():
-            next(p for p in engine.module.parameters() if p.is_floating_point()).fill_(float("nan"))
-    if args.fault == "overflow":  # every gradient overflows from now on (fp16: the loss scale collapses)
-        for p in engine.module.parameters():
-            if p.requires_grad:
-                p.register_hook(lambda g: g * float("inf"))
 
 
 if __name__ == "__main__":

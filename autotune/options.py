@@ -1,0 +1,241 @@
+"""Every option of `autotune run`, written once: type, default, unit, valid range and help.
+
+One typed tree: `RunOptions` (the study, the search space, the endpoints) holding a
+`WorkloadOptions` (how every trial runs the workload). From it come the click options
+and `--help` of `autotune run` (`click_options`, `from_cli`), the per-field type and
+range checks (`check_fields`), the settings a study stores and a resume reads back
+(`to_dict`, `from_dict`), and the trial description a rank receives
+(`autotune/workload/trial_spec.py`). Cross-field checks (stages against the preset,
+ports against the world size) stay in `autotune/validation.py`. torchtitan's
+`job_config.py` is the model: a dataclass per group, a docstring per field.
+
+Shaped as the study stores it (flat run options, the workload nested) so a study
+written before this module existed still resumes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from autotune.errors import UserError
+
+
+def option(default: Any, help: str, *, flag: str | None = None, lo: float | None = None,
+           hi: float | None = None, unit: str = "", group: str = "", hidden: bool = False,
+           cli: bool = True, cli_type: type | None = None, show_default: bool = True,
+           factory: Callable[[], Any] | None = None) -> Any:
+    """A dataclass field carrying its command-line flag, help, unit and valid range."""
+    meta = {"help": help, "flag": flag, "lo": lo, "hi": hi, "unit": unit, "group": group,
+            "hidden": hidden, "cli": cli, "cli_type": cli_type, "show_default": show_default}
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass(kw_only=True, slots=True)
+class WorkloadOptions:
+    """How every trial of a study runs the built-in workload (fixed for the whole study)."""
+
+    preset: str = option("tiny", "Workload: tiny, small, llama-7b, llama-13b.", group="workload")
+    pipeline_stages: int = option(2, "Pipeline stages.", flag="--stages", lo=2, hi=1024, group="workload")
+    data_parallel_size: int = option(2, "Data-parallel degree (ranks = stages x dp).", flag="--dp",
+                                     lo=1, hi=1024, group="workload")
+    steps: int = option(6, "Measured steps per trial.", lo=1, hi=100_000, unit="steps", group="workload")
+    warmup_steps: int = option(2, "Warm-up steps per trial, excluded from every summary.", lo=0,
+                               hi=100_000, unit="steps", group="workload")
+    partition_method: str = option("parameters", "PipelineModule partition: parameters, uniform or type:REGEX.",
+                                   group="workload")
+    activation_checkpoint_interval: int = option(0, "PipelineModule activation checkpoint interval (0 = off).",
+                                                 lo=0, hi=1_000_000, group="workload")
+    tokens: str | None = option(None, "Token file instead of synthetic data (.npy, .bin uint16 or raw bytes).",
+                                group="workload", cli_type=str)
+    slow_stage: int | None = option(None, "Test hook: stretch this stage's compute.", lo=0, hidden=True,
+                                    group="workload")
+    slow_factor: int = option(1, "Test hook: by this factor.", lo=1, hi=1000, hidden=True, group="workload")
+    slow_every: int = option(1, "Test hook: every Nth step only.", lo=1, hi=1000, cli=False)
+    threads: int = option(1, "torch threads per rank (CPU).", lo=1, hi=1024, cli=False)
+    seed: int = option(1234, "Model and data seed of every trial.", lo=0, hi=2**32 - 1, cli=False)
+    job: str = option("autotune", "The `job` label of every metric.", cli=False)
+    metrics_port: int | None = option(None, "Base port of the rank endpoints (set from --rank-metrics-port).",
+                                      lo=1, hi=65535, unit="port", cli=False)
+    metrics_addr: str = option("127.0.0.1", "Bind address of the rank endpoints.", cli=False)
+    faults: str = option("", "Test hook: inject faults, KIND[@TRIAL],... (autotune/faults.py).",
+                         flag="--fault", hidden=True, group="workload", show_default=False)
+
+    @property
+    def world_size(self) -> int:
+        return self.pipeline_stages * self.data_parallel_size
+
+    def fault_for(self, trial: int) -> str | None:
+        from autotune.faults import fault_for
+
+        return fault_for(self.faults, trial)
+
+
+@dataclass(kw_only=True, slots=True)
+class RunOptions:
+    """A tuning run: the study, its search space, its endpoints, and the workload."""
+
+    # The study
+    budget: int = option(20, "Trials to run, baseline included [default: 20; a resumed study keeps its own].",
+                         lo=1, hi=100_000, group="study", show_default=False)
+    study: str = option("autotune-study", "Study folder.", group="study")
+    resume: bool = option(False, "Continue the study in --study (rerunning with it does too).", group="study")
+    config: str | None = option(None, "Starting ds_config.json (default: the built-in workload's).",
+                                group="study", cli_type=str)
+    tuner: str = option("hybrid", "hybrid, bayes, random, grid, ds-autotuner (optuna-gp, optuna-tpe "
+                        "with optuna installed).", group="study")
+    seed: int = option(0, "Proposer seed.", lo=0, hi=2**32 - 1, group="study")
+    trial_timeout: float | None = option(None, "Seconds per trial (default: derived from the slowest "
+                                         "finished trial).", lo=0, unit="s", group="study", cli_type=float)
+    # The search space
+    global_batch: int | None = option(None, "Fixed global batch (default: the starting config's "
+                                      "train_batch_size).", lo=1, hi=2**31, group="space")
+    free_batch: bool = option(False, "Let the global batch vary (micro and GAS both searched).", group="space")
+    micro_min: int = option(1, "Smallest micro-batch.", lo=1, hi=65536, group="space")
+    micro_max: int = option(64, "Largest micro-batch.", lo=1, hi=65536, group="space")
+    gas_min: int = option(1, "Fewest gradient accumulation steps.", lo=1, hi=65536, group="space")
+    gas_max: int = option(64, "Most gradient accumulation steps.", lo=1, hi=65536, group="space")
+    max_global_batch: int | None = option(None, "Upper bound of the global batch with --free-batch.",
+                                          lo=1, hi=2**31, group="space")
+    integer_micro: bool = option(False, "Any integer micro-batch, not only powers of two.", group="space")
+    bucket_min: int = option(10_000, "Smallest reduce_bucket_size.", lo=1, hi=10**12, unit="elements",
+                             group="space", cli_type=float)
+    bucket_max: int = option(500_000_000, "Largest reduce_bucket_size.", lo=1, hi=10**12, unit="elements",
+                             group="space", cli_type=float)
+    # The endpoints
+    metrics_port: int | None = option(None, "Serve the controller's Prometheus metrics on this port.",
+                                      lo=1, hi=65535, unit="port", group="endpoints")
+    rank_metrics_port: int | None = option(None, "Base port of each rank's endpoint (rank r: base + r).",
+                                           lo=1, hi=65535, unit="port", group="endpoints")
+    metrics_addr: str = option("127.0.0.1", "Bind address of the endpoints (anything but loopback "
+                               "exposes them).", group="endpoints")
+    workload: WorkloadOptions = option(None, "", cli=False, factory=WorkloadOptions)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> RunOptions:
+        """The stored settings of a study (unknown keys of older versions are refused)."""
+        d = dict(d)
+        wl = dict(d.pop("workload", {}))
+        wl.pop("extra_args", None)  # studies written before the trial description
+        return cls(**d, workload=WorkloadOptions(**wl))
+
+
+# --- command line -------------------------------------------------------------------------
+
+def _cli_fields(cls: type) -> list[dataclasses.Field]:
+    return [f for f in dataclasses.fields(cls) if f.metadata.get("cli")]
+
+
+def _flag(f: dataclasses.Field) -> str:
+    return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+
+
+def _help(f: dataclasses.Field) -> str:
+    m = f.metadata
+    text = m["help"]
+    bits = []
+    if m["unit"]:
+        bits.append(m["unit"])
+    lo, hi = m["lo"], m["hi"]
+    if f.type in ("int", "int | None") and lo is not None:
+        bits.append(f"{_num(lo)}-{_num(hi)}" if hi is not None and hi < 1e6 else f">= {_num(lo)}")
+    return text + (f" ({', '.join(bits)})" if bits else "")
+
+
+def _num(v: float) -> str:
+    """1e4 and 5e8 as people write bucket sizes; small numbers as they are."""
+    if v >= 1e4 and float(f"{v:.0e}") == v:
+        return f"{v:.0e}".replace("e+0", "e").replace("e+", "e")
+    return f"{v:g}" if isinstance(v, float) and not v.is_integer() else f"{int(v)}"
+
+
+def click_options(fn: Callable) -> Callable:
+    """Decorate a click command with one option per CLI field of the tree, in declaration order."""
+    import click
+
+    fields = [*_cli_fields(RunOptions), *_cli_fields(WorkloadOptions)]
+    for f in reversed(fields):
+        m = f.metadata
+        if f.type == "bool":
+            deco = click.option(_flag(f), f.name, is_flag=True, help=_help(f), hidden=m["hidden"])
+        else:
+            kind = m["cli_type"] or (int if f.type.startswith("int") else str)
+            default = None if f.name == "budget" else f.default
+            shown = m["show_default"] and default is not None
+            if shown and kind is float:
+                shown = _num(default)  # --bucket-max 5e8, not 500000000
+            deco = click.option(_flag(f), f.name, type=kind, default=default, help=_help(f),
+                                hidden=m["hidden"], show_default=shown)
+        fn = deco(fn)
+    return fn
+
+
+def from_cli(kw: dict[str, Any], *, budget: int) -> RunOptions:
+    """RunOptions from the click keyword arguments (names are the field names)."""
+    run_names = {f.name for f in _cli_fields(RunOptions)}
+    wl_names = {f.name for f in _cli_fields(WorkloadOptions)}
+    run = {k: v for k, v in kw.items() if k in run_names}
+    wl = {k: v for k, v in kw.items() if k in wl_names}
+    for name in ("bucket_min", "bucket_max"):  # given as floats (1e4), stored as elements
+        run[name] = _finite_int(run[name], _flag(_field(RunOptions, name)))
+    wl["faults"] = wl.get("faults") or ""
+    run["budget"] = budget
+    return RunOptions(**run, workload=WorkloadOptions(**wl))
+
+
+def _finite_int(v: float, flag: str) -> int:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise UserError(f"{flag} must be a finite number of elements, got {v}")
+    return int(v)
+
+
+def _field(cls: type, name: str) -> dataclasses.Field:
+    return next(f for f in dataclasses.fields(cls) if f.name == name)
+
+
+# --- per-field checks -------------------------------------------------------------------------
+
+def check_fields(opts: RunOptions) -> None:
+    """Type and range of every field, from the tree's metadata; one UserError naming the flag."""
+    for owner in (opts, opts.workload):
+        for f in dataclasses.fields(owner):
+            if f.name == "workload":
+                continue
+            _check(f, getattr(owner, f.name))
+
+
+def _check(f: dataclasses.Field, v: Any) -> None:
+    m, name = f.metadata, _flag(f) if f.metadata.get("cli") else f.name.replace("_", "-")
+    optional = f.type.endswith("| None")
+    if v is None:
+        if optional:
+            return
+        raise UserError(f"{name} must be given")
+    base = f.type.split(" |")[0]
+    if base == "bool":
+        if not isinstance(v, bool):
+            raise UserError(f"{name} must be true or false, got {v!r}")
+        return
+    if base == "int" and (isinstance(v, bool) or not isinstance(v, int)):
+        raise UserError(f"{name} must be an integer, got {v!r}")
+    if base == "float" and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)):
+        raise UserError(f"{name} must be a finite number, got {v!r}")
+    if base == "str":
+        if not isinstance(v, str):
+            raise UserError(f"{name} must be a string, got {v!r}")
+        return
+    lo, hi = m.get("lo"), m.get("hi")
+    if m.get("unit") == "port" and not lo <= v <= hi:
+        raise UserError(f"{name} must be a port {_num(lo)}-{_num(hi)}, got {v}")
+    if lo is not None and (v < lo or (base == "float" and lo == 0 and v == 0)):
+        raise UserError(f"{name} must be {'>' if base == 'float' and lo == 0 else '>='} {_num(lo)}, got {v}")
+    if hi is not None and v > hi:
+        raise UserError(f"{name} must be <= {_num(hi)}, got {v}")

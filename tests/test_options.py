@@ -1,0 +1,64 @@
+"""One option tree from the command line to the rank (autotune/options.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from autotune.cli import cli
+from autotune.errors import UserError
+from autotune.options import RunOptions, WorkloadOptions, check_fields, from_cli
+from autotune.workload.train import parse_args
+from autotune.workload.trial_spec import TrialSpec
+
+
+def _cli_fields(cls):
+    return [f for f in dataclasses.fields(cls) if f.metadata.get("cli")]
+
+
+def test_every_cli_field_is_an_option_with_its_help_and_default():
+    out = CliRunner().invoke(cli, ["run", "--help"], terminal_width=200).output
+    for f in [*_cli_fields(RunOptions), *_cli_fields(WorkloadOptions)]:
+        flag = f.metadata["flag"] or "--" + f.name.replace("_", "-")
+        if f.metadata["hidden"]:
+            assert flag not in out, flag
+            continue
+        assert flag in out, flag
+        entry = out.split(f"  {flag} ", 1)[1].split("\n  --", 1)[0]  # its lines, up to the next option
+        assert f.metadata["help"].split()[0] in entry, (flag, entry)
+    assert "[default: 6]" in out.split("--steps", 1)[1].split("--warmup-steps", 1)[0]  # the tree's default
+
+
+def test_the_command_line_builds_the_tree_and_the_study_reads_it_back():
+    kw = {f.name: f.default for f in [*_cli_fields(RunOptions), *_cli_fields(WorkloadOptions)]}
+    kw.update(bucket_min=2e4, bucket_max=5e8, steps=9, preset="small", faults=None)
+    opts = from_cli(kw, budget=7)
+    assert opts.budget == 7 and opts.bucket_min == 20_000 and isinstance(opts.bucket_min, int)
+    assert opts.workload.steps == 9 and opts.workload.preset == "small" and opts.workload.faults == ""
+    stored = json.loads(json.dumps(opts.to_dict()))  # as the study keeps it
+    assert RunOptions.from_dict(stored) == opts
+    check_fields(opts)
+
+
+@pytest.mark.parametrize(("field", "value", "needle"), [
+    ("budget", 0, "--budget must be >= 1"),
+    ("micro_max", 10**6, "--micro-max must be <= 65536"),
+    ("seed", True, "--seed must be an integer"),
+    ("trial_timeout", float("nan"), "--trial-timeout must be a finite number"),
+    ("trial_timeout", 0.0, "--trial-timeout must be > 0"),
+    ("metrics_port", 0, "--metrics-port must be a port 1-65535"),
+])
+def test_ranges_come_from_the_tree(field, value, needle):
+    opts = RunOptions(**{field: value})
+    with pytest.raises(UserError, match=needle):
+        check_fields(opts)
+
+
+def test_a_rank_reads_the_same_workload_the_controller_wrote(tmp_path):
+    wl = WorkloadOptions(preset="small", pipeline_stages=3, steps=11, slow_stage=1, slow_factor=2)
+    spec = TrialSpec(workload=wl, trial=4, ds_config="/x/ds.json", metrics_csv="/x/m{rank}.csv", fault="nan")
+    path = spec.write(tmp_path / "trial.json")
+    assert parse_args(["--trial-spec", str(path)]) == spec
