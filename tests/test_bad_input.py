@@ -282,7 +282,7 @@ def test_no_shell_and_loopback_defaults():
     sources = [p for d in ("autotune", "exporters", "benchmarks") for p in (REPO / d).rglob("*.py")]
     offenders = [str(p) for p in sources if re.search(r"shell\s*=\s*True|os\.system\(|os\.popen\(", p.read_text())]
     assert offenders == []
-    from autotune.session import RunOptions
+    from autotune.options import RunOptions
 
     assert RunOptions().metrics_addr == "127.0.0.1" and WorkloadOptions().metrics_addr == "127.0.0.1"
     help_text = invoke("run", "--help").output

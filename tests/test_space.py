@@ -66,8 +66,8 @@ def test_bad_bounds_are_user_errors(kw, text):
 
 def test_baseline_follows_a_global_batch_override():
     """--global-batch 8 with a config of global batch 64: the baseline runs global batch 8 too."""
-    from autotune.options import WorkloadOptions
-    from autotune.session import RunOptions, baseline_config, build_space, load_base_config
+    from autotune.options import RunOptions, WorkloadOptions
+    from autotune.starting_point import baseline_config, build_space, load_base_config
 
     opts = RunOptions(global_batch=8, workload=WorkloadOptions(data_parallel_size=1))
     base = load_base_config(opts)

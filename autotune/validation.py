@@ -1,0 +1,72 @@
+"""Cross-field checks of a run's options, before anything touches a ds_config, a command line
+or the study folder. Per-field types and ranges come from the option tree (autotune/options.py);
+here are the checks that need two fields, the preset, a file or a regular expression.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from autotune.errors import UserError
+from autotune.options import RunOptions, check_fields
+from autotune.workload.presets import get_preset
+
+_JOB = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
+_HOST = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9.-]{0,251}[A-Za-z0-9])?$")
+
+
+def validate(opts: RunOptions) -> None:
+    """Every check of `opts`; each problem is one UserError naming the option and the fix."""
+    wl = opts.workload
+    check_fields(opts)  # type and range of every field, from autotune/options.py
+    get_preset(wl.preset)
+    if wl.world_size > 1024:
+        raise UserError(f"--stages x --dp = {wl.world_size} ranks; at most 1024 on one machine")
+    if opts.rank_metrics_port is not None and opts.rank_metrics_port + wl.world_size - 1 > 65535:
+        raise UserError(f"--rank-metrics-port {opts.rank_metrics_port} + {wl.world_size} ranks passes port 65535")
+    for addr in {opts.metrics_addr, wl.metrics_addr}:
+        if not _valid_host(addr):
+            raise UserError(f"--metrics-addr {addr!r}: use an IP address or a host name (default 127.0.0.1)")
+    if wl.slow_stage is not None and not 0 <= wl.slow_stage < wl.pipeline_stages:
+        raise UserError(f"--slow-stage must be in [0, {wl.pipeline_stages - 1}]")
+    pm = wl.partition_method
+    if pm not in ("parameters", "uniform") and not pm.startswith("type:"):
+        raise UserError(f"--partition-method {pm!r}: use parameters, uniform or type:REGEX")
+    if pm.startswith("type:"):
+        try:
+            re.compile(pm[5:])
+        except re.error as exc:
+            raise UserError(f"--partition-method {pm!r}: bad regular expression ({exc})") from None
+        if not pm[5:] or not pm.isprintable():
+            raise UserError(f"--partition-method {pm!r}: type: needs a printable layer-name pattern")
+    if not _JOB.match(wl.job):
+        raise UserError(f"job name {wl.job!r}: use 1-64 letters, digits, '_', '.', ':' or '-'")
+    if not str(opts.study).strip():
+        raise UserError("--study must name a folder")
+    from autotune.faults import parse_faults
+    from autotune.proposers.registry import check_name as check_proposer_name
+
+    check_proposer_name(opts.tuner)
+    parse_faults(wl.faults)
+    preset = get_preset(wl.preset)
+    preset_layers = preset.num_layers + 2
+    if wl.pipeline_stages > preset_layers:
+        raise UserError(f"--stages {wl.pipeline_stages} exceeds the {preset_layers} layers of preset {wl.preset}")
+    if wl.tokens is not None:
+        from autotune.workload.data import load_token_file
+
+        if len(load_token_file(wl.tokens, preset.vocab_size)) <= preset.seq_length:
+            raise UserError(f"{wl.tokens}: token file is shorter than one sequence "
+                            f"({preset.seq_length + 1} tokens); give a longer file")
+        wl.tokens = str(Path(wl.tokens).resolve())  # the ranks run in another working directory
+
+
+def _valid_host(addr: str) -> bool:
+    import ipaddress
+
+    try:
+        ipaddress.ip_address(addr)
+        return True
+    except ValueError:
+        return bool(_HOST.match(addr)) and not addr.startswith("-")
