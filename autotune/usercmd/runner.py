@@ -3,7 +3,7 @@
 Same interface and result as autotune.trial.TrialRunner (the Tuner cannot tell
 them apart) and the same trial folder: ds_config.json, launcher.log,
 metrics-rankR.csv. The ranks are instrumented by the bootstrap (hook.py), whose
-marker files add three reasons to autotune.trial.judge's classification:
+marker files add three reasons to autotune.judge.judge's classification:
 
 - `not_pipeline`: deepspeed.initialize returned a DeepSpeedEngine, not a PipelineEngine;
 - `no_engine`: the script exited 0 without ever calling deepspeed.initialize;
@@ -25,9 +25,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from autotune.dsconfig import DEEPSPEED_DEFAULT_BUCKET, DsConfig
+from autotune.judge import TrialOutcome, failed, judge
 from autotune.launcher import LaunchOutcome, LaunchSpec, TrialProcess, accelerator_env, free_port
 from autotune.space import TrialConfig
-from autotune.trial import TrialOutcome, _failed, _keep_old_log, judge
+from autotune.trial import keep_old_log
 from autotune.usercmd.command import UserCommand
 from autotune.usercmd.hook import ENV, MODE_PROBE, MODE_TRIAL, BootstrapSettings
 
@@ -104,22 +105,22 @@ def judge_user_trial(outcome: LaunchOutcome, run_dir: Path, timeout: float, *, s
     """The bootstrap's markers first (what only it can tell), then the built-in classification."""
     wall = outcome.wall_seconds
     if outcome.launch_error is not None:
-        return _failed("launcher_missing", outcome.launch_error, wall)
+        return failed("launcher_missing", outcome.launch_error, wall)
     engines = read_markers(run_dir, "engine")
     other = next((e for e in engines if not e.get("pipeline")), None)
     if other is not None:
-        return _failed("not_pipeline", f"the script built a {other.get('engine', 'DeepSpeedEngine')}, not a "
+        return failed("not_pipeline", f"the script built a {other.get('engine', 'DeepSpeedEngine')}, not a "
                                        "PipelineEngine; autotune tunes pipeline-parallel jobs", wall)
     if outcome.timed_out and not engines:
-        return _failed("timeout", f"no result within {timeout:.0f} s, and the script had not returned "
+        return failed("timeout", f"no result within {timeout:.0f} s, and the script had not returned "
                                   "from deepspeed.initialize; every rank was stopped", wall)
     if not outcome.timed_out and outcome.returncode == 0:
         if not engines:
-            return _failed("no_engine", "the script exited without calling deepspeed.initialize", wall)
+            return failed("no_engine", "the script exited without calling deepspeed.initialize", wall)
         exits = read_markers(run_dir, "exit")
         if exits and not read_markers(run_dir, "done"):
             calls = min(int(e.get("train_batch_calls", 0)) for e in exits)
-            return _failed("ended_early", f"the script returned after {calls} train_batch() call(s); a trial "
+            return failed("ended_early", f"the script returned after {calls} train_batch() call(s); a trial "
                                           f"needs {steps_needed} (warm-up + measured steps): let it run "
                                           "more steps (e.g. a larger --steps of its own)", wall)
     return judge(outcome, run_dir, timeout)
@@ -158,7 +159,7 @@ def probe_shape(command: UserCommand, *, ds_config: Path, cwd: Path,
                              parameters=sum(per_stage.values())), None, run_dir
     failure = judge_user_trial(outcome, run_dir, timeout, steps_needed=0)
     if failure.result.ok:  # exit 0 with metrics but no done marker: cannot happen in probe mode
-        failure = _failed("crash", "the start-up check ended without reaching deepspeed.initialize", 0.0)
+        failure = failed("crash", "the start-up check ended without reaching deepspeed.initialize", 0.0)
     return None, failure, run_dir
 
 
@@ -197,7 +198,7 @@ class UserCommandRunner:
         for pattern in ("metrics-rank*.csv", "engine-rank*.json", "done-rank*.json", "exit-rank*.json"):
             for old in trial_dir.glob(pattern):  # a re-run after an interruption starts clean
                 old.unlink()
-        _keep_old_log(trial_dir / "launcher.log")
+        keep_old_log(trial_dir / "launcher.log")
         ds_path = trial_dir / "ds_config.json"
         ds_path.write_text(json.dumps(self.ds_config_for(config), indent=2) + "\n", encoding="utf-8")
         settings = BootstrapSettings(mode=MODE_TRIAL, trial_dir=str(trial_dir), trial=number,
