@@ -9,7 +9,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,6 +20,7 @@ from autotune.advisor.findings import FIRED, Change, Evidence, Finding
 from autotune.advisor.render import print_table, to_json
 from autotune.dsconfig import DsConfig, load_ds_config
 from autotune.errors import UserError
+from autotune.fileio import write_atomic
 from autotune.precision import requested_precisions
 
 
@@ -153,19 +153,7 @@ def _same_file(a: str, b: str) -> bool:
 
 
 def _write_json_atomic(path: Path, data: dict) -> None:
-    """Write to a temporary file in the same folder, then rename: never a half-written config."""
-    directory = path.parent if str(path.parent) else Path(".")
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
+        write_atomic(path, json.dumps(data, indent=2) + "\n")
     except OSError as exc:
-        raise UserError(f"{path}: cannot write ({exc.strerror})") from None
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            json.dump(data, fh, indent=2)
-            fh.write("\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except OSError as exc:
-        Path(tmp).unlink(missing_ok=True)
-        raise UserError(f"{path}: cannot write ({exc.strerror})") from None
+        raise UserError(f"{path}: cannot write ({exc.strerror or exc})") from None

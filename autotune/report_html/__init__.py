@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import re
-import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +17,7 @@ from typing import Any
 
 from autotune.errors import AutotuneError, UserError
 from autotune.extras import EXTRAS, missing_modules, require
+from autotune.fileio import write_atomic
 from autotune.study import Study
 
 REPORT_NAME = "report.html"
@@ -119,29 +119,16 @@ def _write(page: Path, fig_dir: Path, href: str, render: Callable[[str], str], f
             fig_dir.mkdir(parents=True, exist_ok=True)
         paths = []
         for f in figs:
-            paths.append(_atomic(fig_dir / f"{f.name}.png", f.png))
-            paths.append(_atomic(fig_dir / f"{f.name}.svg", f.svg.encode("utf-8")))
+            paths.append(write_atomic(fig_dir / f"{f.name}.png", f.png))
+            paths.append(write_atomic(fig_dir / f"{f.name}.svg", f.svg.encode("utf-8")))
         keep = {p.name for p in paths}
         for old in fig_dir.iterdir() if fig_dir.is_dir() else ():  # figures of an earlier report that this one no longer has
             if old.is_file() and _OURS.match(old.name) and old.name not in keep:
                 old.unlink()
-        _atomic(page, render(href).encode("utf-8"))
+        write_atomic(page, render(href).encode("utf-8"))
     except OSError as exc:
         raise UserError(f"{page}: cannot write the report ({exc.strerror or exc})") from None
     return Written(page=page, figures=paths)
-
-
-def _atomic(path: Path, data: bytes) -> Path:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
 
 
 def _check_out_dir(out: Path) -> None:
