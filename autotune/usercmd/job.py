@@ -1,0 +1,155 @@
+"""A study of the user's own command: what `autotune run -- COMMAND` adds to a tuning run.
+
+For a new study, `prepare_user_job` reads the command, finds and checks the
+user's config, and starts the job once up to `deepspeed.initialize` (the
+shape probe, runner.py) to measure what the search space needs: pipeline
+stages, data-parallel size and the model's parameter count. The user repeats
+no flag for them. It then points the run's options at the user's config and
+shape, so the rest of `autotune run` (validation, space, proposer, study) is
+the built-in workload's, unchanged.
+
+Why a separate start-up rather than learning the shape from trial 0: the space
+(and the proposer built on it) exists before trial 0 runs, and a job that
+cannot be tuned at all (no PipelineEngine, a crash at import) is then one
+clear error before a study is created or changed.
+
+The command, its folder and the measured parameter count are stored in the
+study (meta key `user_command`), so a resume runs the same command without
+the probe.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sqlite3
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from autotune.dsconfig import DsConfig, load_ds_config
+from autotune.errors import UserError
+from autotune.precision import check_precision
+from autotune.usercmd.command import UserCommand, check_launcher_installed, parse_command
+from autotune.usercmd.runner import PROBE_TIMEOUT, UserCommandRunner, probe_shape
+
+META_KEY = "user_command"
+
+
+@dataclass(kw_only=True, slots=True)
+class UserJob:
+    """The user's command as a study stores it."""
+
+    argv: list[str]
+    cwd: str
+    """The folder the command runs in (relative paths in it are the user's)."""
+    parameters: int
+    """The model's parameters (each stage once), measured by the shape probe."""
+
+    def command(self) -> UserCommand:
+        return parse_command(self.argv, cwd=Path(self.cwd))
+
+    def describe(self) -> str:
+        return " ".join(self.argv)
+
+    def runner(self, opts: Any, base: DsConfig) -> UserCommandRunner:
+        wl = opts.workload
+        return UserCommandRunner(self.command(), base, cwd=Path(self.cwd),
+                                 data_parallel_size=wl.data_parallel_size, steps=wl.steps,
+                                 warmup_steps=wl.warmup_steps, job=wl.job, metrics_port=wl.metrics_port,
+                                 metrics_addr=wl.metrics_addr)
+
+    def space(self, opts: Any, base: DsConfig):
+        """The run's space with the user's model size bounding the bucket range (not a preset's)."""
+        from autotune.space import SearchSpace
+        from autotune.starting_point import build_space
+
+        space = build_space(opts, base)
+        if space.bucket_range is None:
+            return space
+        return SearchSpace.build(
+            pipeline_stages=space.pipeline_stages, data_parallel_size=space.data_parallel_size,
+            zero_stage=base.zero_stage, global_batch=space.global_batch, micro_min=opts.micro_min,
+            micro_max=opts.micro_max, gas_min=opts.gas_min, gas_max=opts.gas_max,
+            powers_of_two_only=not opts.integer_micro, bucket_min=opts.bucket_min,
+            bucket_max=opts.bucket_max, max_global_batch=opts.max_global_batch,
+            model_parameters=self.parameters,
+        )
+
+
+def prepare_user_job(opts: Any, argv: list[str], note: Callable[[str], None]) -> UserJob:
+    """Check the command and measure its pipeline; `opts` is pointed at the user's config and shape.
+
+    An existing study is resumed with its own command (no probe); another command for it is refused.
+    """
+    root = Path(opts.study)
+    if (root / "study.db").is_file():
+        stored = stored_job(root)
+        if stored is None:
+            raise UserError(f"{root} is a study of the built-in workload; give your command another --study")
+        if list(argv) != stored.argv:
+            raise UserError(f"{root} was created for another command ({stored.describe()}); resume it with "
+                            "that command or none, or give this one another --study")
+        return stored
+    if opts.workload.faults:
+        raise UserError("--fault injects faults into the built-in workload only")
+    cwd = Path.cwd().resolve()
+    cmd = parse_command(argv, cwd=cwd)
+    check_launcher_installed(cmd)
+    if cmd.uses_placeholder:
+        if opts.config is None:
+            raise UserError("the command takes the config through {config}; give the starting config "
+                            "with --config FILE")
+        config = (cwd / opts.config).resolve()
+    else:
+        if opts.config is not None:
+            raise UserError(f"the command already names the config ({cmd.user_config}); drop --config "
+                            "or write {config} in the command")
+        config = (cwd / cmd.user_config).resolve()
+    base = load_ds_config(config)  # missing or unparseable: one line, exit 2
+    base.check_pipeline()
+    check_precision(base)  # before starting the job: every trial would fail alike
+    note("start-up check: running the command once, up to deepspeed.initialize, to read the "
+         "pipeline's stages and data-parallel size")
+    shape, failure, probe_dir = probe_shape(cmd, ds_config=config, cwd=cwd,
+                                            timeout=opts.trial_timeout or PROBE_TIMEOUT)
+    if failure is not None:
+        raise UserError(f"the command failed its start-up check ({failure.result.failure_reason}): "
+                        f"{failure.failure_detail}; log kept in {probe_dir / 'launcher.log'}")
+    shutil.rmtree(probe_dir, ignore_errors=True)
+    if shape.stages < 2:
+        raise UserError(f"the script's PipelineModule has {shape.stages} stage; autotune tunes pipelines of "
+                        "2 or more stages (num_stages)")
+    note(f"the job: {shape.stages} pipeline stages x {shape.data_parallel_size} data-parallel = "
+         f"{shape.stages * shape.data_parallel_size} ranks, {shape.parameters:,} parameters, "
+         f"micro {shape.micro_batch_size} x GAS {shape.gradient_accumulation_steps}")
+    opts.config = str(config)
+    opts.workload.pipeline_stages = shape.stages
+    opts.workload.data_parallel_size = shape.data_parallel_size
+    return UserJob(argv=list(argv), cwd=str(cwd), parameters=shape.parameters)
+
+
+def attach_user_job(study: Any, job: UserJob | None) -> UserJob | None:
+    """Store a new study's command in it, or read a resumed study's; None for the built-in workload."""
+    if job is None:
+        stored = study.get_meta_json(META_KEY)
+        return UserJob(**stored) if stored else None
+    if study.get_meta_json(META_KEY) is None:
+        with study._db:  # as session._store_meta writes the study's other meta
+            study._db.execute("INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)",
+                              (META_KEY, json.dumps(asdict(job))))
+    return job
+
+
+def stored_job(root: Path) -> UserJob | None:
+    """A study's command, read-only (the study may be locked by nobody or by a live run)."""
+    try:
+        conn = sqlite3.connect(f"{(root / 'study.db').resolve().as_uri()}?mode=ro", uri=True, timeout=30)
+        try:
+            row = conn.execute("SELECT value FROM meta WHERE key = ?", (META_KEY,)).fetchone()
+        finally:
+            conn.close()
+    except sqlite3.Error:
+        return None
+    return UserJob(**json.loads(row[0])) if row else None
