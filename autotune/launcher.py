@@ -220,6 +220,28 @@ def processes_with(marker: str) -> list[int]:
     return out
 
 
+def leftover_ports(marker: str) -> set[int]:
+    """Master ports on the command lines of the live processes of a trial (`--master_port N`).
+
+    The launcher and its per-node launcher carry the port: a controller that died
+    between starting the launcher and storing the port in the study leaves only this
+    trace of it, and the /dev/shm buffers are named by it.
+    """
+    ports: set[int] = set()
+    for pid in processes_with(marker):
+        words = _cmdline(pid).split()
+        for i, w in enumerate(words):
+            if w == "--master_port" and i + 1 < len(words):
+                value = words[i + 1]
+            elif w.startswith("--master_port="):
+                value = w.split("=", 1)[1]
+            else:
+                continue
+            if value.isascii() and value.isdigit():
+                ports.add(int(value))
+    return ports
+
+
 def stop_leftovers(pgid: int | None, marker: str, grace: float = 5.0) -> int:
     """Stop what a dead controller left of a trial; returns how many processes were found.
 

@@ -88,9 +88,11 @@ _writes = 0
 def crash_point(point: str, number: int | None = None) -> None:
     """Test hook: die at once (as SIGKILL would) when AUTOTUNE_TEST_CRASH_AT names this point.
 
-    Points: after-start:N, during-trial:N, before-finish:N, after-finish:N (N = trial
-    number) and write:K (inside the K-th atomic file write of this process, after the
-    temporary file is written and before it replaces the real one).
+    Points: after-start:N, during-trial:N, before-finish:N, after-finish:N, recover:N
+    (N = trial number; recover: a resumed controller about to clean up after trial N,
+    which a dead controller left running) and write:K (inside the K-th atomic file write
+    of this process, after the temporary file is written and before it replaces the
+    real one).
     """
     spec = os.environ.get(CRASH_ENV)
     if not spec:
@@ -271,6 +273,12 @@ class Study:
             tmp.unlink(missing_ok=True)
             n += 1
         return n
+
+    def interrupt(self, trial_id: int) -> None:
+        """Mark one trial a dead controller left 'running' as interrupted (once it is cleaned up)."""
+        with self._db:
+            self._db.execute("UPDATE trials SET status=?, finished=? WHERE id=? AND status=?",
+                             (STATUS_INTERRUPTED, time.time(), trial_id, STATUS_RUNNING))
 
     def interrupt_running(self) -> list[TrialRow]:
         """Mark trials left 'running' by a dead controller as interrupted; returns them."""

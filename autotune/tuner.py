@@ -16,6 +16,7 @@ are ignored so it cannot be cut short.
 
 from __future__ import annotations
 
+import os
 import signal
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -23,11 +24,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from autotune.display import ProgressDisplay
-from autotune.launcher import remove_shm_buffers, stop_leftovers
+from autotune.launcher import leftover_ports, remove_shm_buffers, stop_leftovers
 from autotune.proposers.base import STATUS_FAILED, STATUS_OK, Proposal, Proposer, TrialResult
 from autotune.report import write_outputs
 from autotune.space import SearchSpace, TrialConfig
-from autotune.study import STATUS_INTERRUPTED, Study, TrialRow, crash_point
+from autotune.study import STATUS_INTERRUPTED, STATUS_RUNNING, Study, TrialRow, crash_point
 from autotune.summary import TrialSummary
 from autotune.trial import TrialOutcome, TrialRunner
 
@@ -110,19 +111,23 @@ class Tuner:
         return TuneResult(summary=summary)
 
     def _marker(self, number: int) -> str:
-        """What every process of trial `number` has on its command line."""
-        return str(self.study.trial_dir(number).resolve() / "ds_config.json")
+        """What every process of trial `number` has on its command line: a path in its folder.
+
+        The folder, not one file in it: the ranks' arguments name the trial's ds_config or
+        its trial spec, and a marker must match whichever they name. The trailing separator
+        keeps trial-001 from matching trial-0010.
+        """
+        return str(self.study.trial_dir(number).resolve()) + os.sep
 
     def _recover(self) -> list[TrialRow]:
         """Stop leftovers of a dead controller, replay finished trials to the proposer."""
-        left = self.study.interrupt_running()
         self.study.remove_stale_temp_files()
+        left = [t for t in self.study.trials() if t.status == STATUS_RUNNING]
         for t in left:
-            found = stop_leftovers(t.pgid, self._marker(t.number))
-            if found:
-                self.display.note(f"stopped {found} leftover process(es) of interrupted trial {t.number}")
-            if t.master_port is not None:  # the dead controller never removed its ranks' buffers
-                remove_shm_buffers(t.master_port)
+            self._clean_up_after(t)
+            # Marked only now: a controller killed during the clean-up leaves the row
+            # `running`, so the next resume cleans up after it again (buffers included).
+            self.study.interrupt(t.id)
         finished = self.study.counted()
         for t in finished:
             self.proposer.tell(t.config, _result_from_row(t))
@@ -138,6 +143,22 @@ class Tuner:
                 seen.add(t.number)
                 stop_leftovers(None, self._marker(t.number))  # anything an earlier stop missed
         return redo
+
+    def _clean_up_after(self, t: TrialRow) -> None:
+        """Stop what a dead controller left of trial `t`, then remove its ranks' /dev/shm buffers.
+
+        The buffers go only after the processes are stopped (a live rank could still create
+        them), by the stored port and by any port on a leftover's command line (the
+        controller may have died before it stored the port).
+        """
+        crash_point("recover", t.number)
+        marker = self._marker(t.number)
+        ports = leftover_ports(marker) | ({t.master_port} if t.master_port is not None else set())
+        found = stop_leftovers(t.pgid, marker)
+        if found:
+            self.display.note(f"stopped {found} leftover process(es) of interrupted trial {t.number}")
+        for port in ports:
+            remove_shm_buffers(port)
 
     def _next_proposal(self, redo: list[TrialRow]) -> tuple[int, Proposal]:
         if redo:
