@@ -83,46 +83,45 @@ def _study_rows(study: Path) -> list[tuple]:
         db.close()
 
 
-def test_run_refuses_before_the_first_trial_and_leaves_a_study_alone(tmp_path, monkeypatch):
+@pytest.fixture
+def fp16_on_a_device_without_it(tmp_path, monkeypatch):
+    """A config enabling fp16, and devices that answer (through the testing seam) fp32 only."""
     monkeypatch.setenv(TEST_OVERRIDE_ENV, "fp32")
     probe_devices.cache_clear()
     cfg = tmp_path / "ds_config.json"
     cfg.write_text(json.dumps({**FAST_CONFIG, "fp16": {"enabled": True}}))
+    yield cfg
+    probe_devices.cache_clear()
+
+
+def test_run_refuses_before_the_first_trial_and_leaves_a_study_alone(tmp_path, fp16_on_a_device_without_it):
+    cfg = fp16_on_a_device_without_it
     runner = CliRunner()
-    try:
-        new = runner.invoke(cli, ["run", "--study", str(tmp_path / "new"), "--config", str(cfg), "--dp", "1"])
-        assert new.exit_code == 2, new.output
-        assert "fp16" in new.output and "test device" in new.output and "Traceback" not in new.output
-        assert not (tmp_path / "new").exists()  # no study folder made for a run that cannot run
+    new = runner.invoke(cli, ["run", "--study", str(tmp_path / "new"), "--config", str(cfg), "--dp", "1"])
+    assert new.exit_code == 2, new.output
+    assert "fp16" in new.output and "test device" in new.output and "Traceback" not in new.output
+    assert not (tmp_path / "new").exists()  # no study folder made for a run that cannot run
 
-        # An existing study (made by the real Study API) is left exactly as it was.
-        from autotune.study import Study
+    # An existing study (made by the real Study API) is left exactly as it was.
+    from autotune.study import Study
 
-        study = Study.open(tmp_path / "old", create=True, meta={"settings": {"x": 1}})
-        study.close()
-        before = _study_rows(tmp_path / "old")
-        files_before = sorted(p.name for p in (tmp_path / "old").iterdir())
-        old = runner.invoke(cli, ["run", "--study", str(tmp_path / "old"), "--config", str(cfg), "--dp", "1"])
-        assert old.exit_code == 2, old.output
-        assert _study_rows(tmp_path / "old") == before
-        assert sorted(p.name for p in (tmp_path / "old").iterdir()) == files_before
-    finally:
-        probe_devices.cache_clear()
+    study = Study.open(tmp_path / "old", create=True, meta={"settings": {"x": 1}})
+    study.close()
+    before = _study_rows(tmp_path / "old")
+    files_before = sorted(p.name for p in (tmp_path / "old").iterdir())
+    old = runner.invoke(cli, ["run", "--study", str(tmp_path / "old"), "--config", str(cfg), "--dp", "1"])
+    assert old.exit_code == 2, old.output
+    assert _study_rows(tmp_path / "old") == before
+    assert sorted(p.name for p in (tmp_path / "old").iterdir()) == files_before
 
 
-def test_check_says_the_same_when_it_knows_the_device(tmp_path, monkeypatch):
-    monkeypatch.setenv(TEST_OVERRIDE_ENV, "fp32")
-    probe_devices.cache_clear()
-    cfg = tmp_path / "ds_config.json"
-    cfg.write_text(json.dumps({**FAST_CONFIG, "fp16": {"enabled": True}}))
-    try:
-        known = CliRunner().invoke(cli, ["check", str(cfg), "--device", "auto", "--format", "json"])
-        assert known.exit_code == 1, known.output  # a critical finding, as check reports them
-        finding = next(f for f in json.loads(known.output)["findings"] if f["rule_id"] == "precision-unsupported")
-        assert finding["severity"] == "critical" and "fp16" in finding["explanation"]
-        assert finding["changes"][0]["target"] == "fp16.enabled" and finding["changes"][0]["new"] is False
-        unknown = CliRunner().invoke(cli, ["check", str(cfg)])
-        assert unknown.exit_code == 0, unknown.output
-        assert "not checked against any device" in unknown.output
-    finally:
-        probe_devices.cache_clear()
+def test_check_says_the_same_when_it_knows_the_device(fp16_on_a_device_without_it):
+    cfg = fp16_on_a_device_without_it
+    known = CliRunner().invoke(cli, ["check", str(cfg), "--device", "auto", "--format", "json"])
+    assert known.exit_code == 1, known.output  # a critical finding, as check reports them
+    finding = next(f for f in json.loads(known.output)["findings"] if f["rule_id"] == "precision-unsupported")
+    assert finding["severity"] == "critical" and "fp16" in finding["explanation"]
+    assert finding["changes"][0]["target"] == "fp16.enabled" and finding["changes"][0]["new"] is False
+    unknown = CliRunner().invoke(cli, ["check", str(cfg)])
+    assert unknown.exit_code == 0, unknown.output
+    assert "not checked against any device" in unknown.output
