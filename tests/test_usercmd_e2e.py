@@ -1,0 +1,141 @@
+"""`autotune run -- COMMAND` end to end: the example scripts, unchanged, as real DeepSpeed jobs on CPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from launch_helpers import autotune_cli
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parent.parent
+EXAMPLES = REPO / "examples"
+SCRIPTS = Path(__file__).resolve().parent / "usercmd_scripts"
+USER_CONFIG = EXAMPLES / "ds_config.json"
+FAST = ("--steps", "2", "--warmup-steps", "1", "--trial-timeout", "600")
+
+
+def _env() -> dict[str, str]:
+    # `deepspeed` is the one next to this Python, as in the user's activated environment
+    return {"PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+            "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+
+
+def _run(cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    return autotune_cli("run", *args, cwd=cwd, env=_env())
+
+
+def _trials(study: Path) -> list[tuple]:
+    db = sqlite3.connect(study / "study.db")
+    try:
+        return db.execute("SELECT number, status, source, failure_reason, micro_batch_size, "
+                          "gradient_accumulation_steps FROM trials ORDER BY number").fetchall()
+    finally:
+        db.close()
+
+
+@pytest.fixture(scope="module")
+def loader_study(tmp_path_factory):
+    """The engine-owned-loader example through `deepspeed`, budget 3."""
+    cwd = tmp_path_factory.mktemp("usercmd")
+    command = ["deepspeed", "--num_gpus", "2", str(EXAMPLES / "pipeline_train.py"),
+               "--deepspeed_config", str(USER_CONFIG), "--steps", "100000", "--save-dir", "ckpt"]
+    proc = _run(cwd, "--budget", "3", "--study", "st", *FAST, "--", *command)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return cwd, cwd / "st", command, proc
+
+
+def test_every_trial_ran_the_users_script_and_succeeded(loader_study):
+    cwd, study, _, proc = loader_study
+    rows = _trials(study)
+    assert [r[0] for r in rows] == [0, 1, 2]
+    assert all(r[1] == "ok" for r in rows), rows
+    assert rows[0][2] == "baseline" and (rows[0][4], rows[0][5]) == (2, 8)  # the user's micro 2 x GAS 8
+    assert all(r[4] * r[5] == 16 for r in rows)  # their train_batch_size 16 is the fixed global batch (dp 1)
+    assert "2 pipeline stages x 1 data-parallel" in proc.stdout  # measured, not asked for
+    for n in range(3):
+        d = study / f"trial-{n:03d}"
+        assert sorted(p.name for p in d.glob("metrics-rank*.csv")) == ["metrics-rank0.csv", "metrics-rank1.csv"]
+        assert len((d / "metrics-rank1.csv").read_text().splitlines()) == 1 + 3  # header + warm-up + 2 steps
+
+
+def test_trial_0_is_the_users_config_unchanged_and_the_others_keep_everything_else(loader_study):
+    _, study, _, _ = loader_study
+    user = json.loads(USER_CONFIG.read_text())
+    assert json.loads((study / "trial-000" / "ds_config.json").read_text()) == user
+    for n in (1, 2):
+        cfg = json.loads((study / f"trial-{n:03d}" / "ds_config.json").read_text())
+        assert cfg["gradient_clipping"] == user["gradient_clipping"]
+        assert cfg["optimizer"] == user["optimizer"]
+        assert cfg["train_batch_size"] == 16
+
+
+def test_the_stop_never_reached_the_scripts_checkpoint_and_left_nothing_running(loader_study):
+    cwd, study, _, _ = loader_study
+    assert not (cwd / "ckpt").exists()  # the script saves a checkpoint after its loop
+    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    assert str(study.resolve()) not in ps
+
+
+def test_best_config_trains_the_script_on_its_own(loader_study):
+    cwd, study, _, _ = loader_study
+    best = study / "best_ds_config.json"
+    summary = json.loads((study / "summary.json").read_text())
+    assert summary["best"] is not None and (study / "report.md").is_file()
+    proc = subprocess.run(["deepspeed", "--num_gpus", "2", str(EXAMPLES / "pipeline_train.py"),
+                           "--deepspeed_config", str(best), "--steps", "2", "--save-dir", "own"],
+                          cwd=cwd, capture_output=True, text=True, timeout=900, env={**os.environ, **_env()})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert (cwd / "own").is_dir()  # unstopped, the script reaches its own checkpoint
+
+
+def test_a_different_command_for_the_study_is_refused_and_the_study_kept(loader_study):
+    cwd, study, command, _ = loader_study
+    before = (study / "study.db").read_bytes()
+    proc = _run(cwd, "--study", "st", "--", *command[:-1], "other")
+    assert proc.returncode == 2, proc.stderr
+    assert "created for another command" in proc.stderr and proc.stderr.count("\n") == 1
+    assert (study / "study.db").read_bytes() == before
+
+
+def test_own_iterator_script_through_torchrun(tmp_path):
+    """The other shape: plain modules and lambdas, LOCAL_RANK, its own iterator in train_batch(data_iter=...)."""
+    proc = _run(tmp_path, "--budget", "2", "--study", "st", *FAST, "--",
+                sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                str(EXAMPLES / "pipeline_train_iter.py"), "--deepspeed_config", str(USER_CONFIG),
+                "--steps", "100000", "--out", "final.pt")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = _trials(tmp_path / "st")
+    assert [(r[0], r[1]) for r in rows] == [(0, "ok"), (1, "ok")], rows
+    assert not (tmp_path / "final.pt").exists()  # nor its evaluation and final save
+
+
+@pytest.mark.parametrize("script, reason, words", [
+    ("plain_engine.py", "not_pipeline", "built a DeepSpeedEngine, not a PipelineEngine"),
+    ("crash_at_import.py", "crash", "No module named 'no_such_module_for_autotune'"),
+    ("no_deepspeed.py", "no_engine", "exited without calling deepspeed.initialize"),
+])
+def test_scripts_that_cannot_be_tuned_are_classified_before_any_trial(tmp_path, script, reason, words):
+    config = tmp_path / "ds.json"  # no train_batch_size: valid for the plain engine's dp 2 too
+    config.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+                                  "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}}))
+    proc = _run(tmp_path, "--study", "st", *FAST, "--", "deepspeed", "--num_gpus", "2", str(SCRIPTS / script),
+                "--deepspeed_config", str(config))
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert f"({reason})" in proc.stderr and words in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "st").exists()
+
+
+def test_script_that_ends_before_the_trial_steps_is_a_classified_trial(tmp_path):
+    proc = _run(tmp_path, "--budget", "1", "--study", "st", *FAST, "--", "deepspeed", "--num_gpus", "2",
+                str(EXAMPLES / "pipeline_train.py"), "--deepspeed_config", str(USER_CONFIG), "--steps", "1")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = _trials(tmp_path / "st")
+    assert [(r[1], r[3]) for r in rows] == [("failed", "ended_early")]
+    assert "after 1 train_batch() call(s)" in proc.stdout

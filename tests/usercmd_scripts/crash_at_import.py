@@ -1,0 +1,3 @@
+"""Crashes before any DeepSpeed code runs."""
+
+import no_such_module_for_autotune  # noqa: F401
