@@ -6,6 +6,7 @@ the file or raise AutotuneError (one line for the user); anything else is a bug 
 is counted and printed with its traceback head.
 
     .venv/bin/python benchmarks/fuzz_loaders.py --cases 10000 --seed 0
+    .venv/bin/python benchmarks/fuzz_loaders.py --quick     # CI smoke run: 600 cases
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from autotune.advisor.rulebook import BUILTIN_RULES, load_rule_file  # noqa: E40
 from autotune.dsconfig import load_ds_config  # noqa: E402
 from autotune.errors import AutotuneError  # noqa: E402
 from autotune.metrics_csv import read_metrics_csv  # noqa: E402
-from autotune.schema import CSV_COLUMNS  # noqa: E402
+from autotune.schema import CSV_COLUMNS, StepRecord, record_to_row  # noqa: E402
 
 WEIRD = ["", "-1", "0", "1e309", "-1e309", "nan", "inf", "-inf", "NaN", "1e-400", "9" * 40, "true",
          "null", "auto", "\x00", "é", "\ufeff", "\"", "'", ",", "\n", "[]", "{}", "0x10", "1_000", " 1 ",
@@ -46,18 +47,18 @@ def seed_ds_config() -> str:
 
 
 def seed_csv() -> str:
-    values = {"time": 1000.0, "trial": 0, "rank": 0, "stage": 0, "step": 0, "warmup": 0, "step_seconds": 1.0,
-              "samples_per_second": 8.0, "tokens_per_second": 512.0, "compute_seconds": 0.5,
-              "comm_seconds": 0.1, "wait_seconds": 0.3, "data_seconds": 0.0, "device_utilization": 0.5,
-              "micro_batch_size": 2, "gradient_accumulation_steps": 2, "pipeline_stages": 2,
-              "data_parallel_size": 2, "seq_length": 64, "loss": 5.5}
+    """A valid file as the product writes it: StepRecords (the schema) through record_to_row."""
     buf = io.StringIO()
     w = csv.writer(buf)
     w.writerow(CSV_COLUMNS)
     for step in range(4):
         for rank in range(2):
-            row = {**values, "step": step, "rank": rank, "stage": rank, "warmup": int(step == 0)}
-            w.writerow([row.get(c, "") for c in CSV_COLUMNS])
+            w.writerow(record_to_row(StepRecord(
+                time=1000.0, trial=0, rank=rank, stage=rank, step=step, warmup=int(step == 0),
+                step_seconds=1.0, samples_per_second=8.0, tokens_per_second=512.0, compute_seconds=0.5,
+                comm_seconds=0.1, wait_seconds=0.3, data_seconds=0.0, device_utilization=0.5,
+                loss=5.5, micro_batch_size=2, gradient_accumulation_steps=2, pipeline_stages=2,
+                data_parallel_size=2, seq_length=64, utilization_from_device=0)))
     return buf.getvalue()
 
 
@@ -157,7 +158,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", type=int, default=10_000, help="total cases across the three loaders")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--quick", action="store_true", help="600 cases: a smoke run (CI)")
     args = ap.parse_args(argv)
+    if args.quick:
+        args.cases = 600
     rng = random.Random(args.seed)
     stats: dict[str, collections.Counter] = {k: collections.Counter() for k in LOADERS}
     bugs: dict[tuple[str, str], str] = {}

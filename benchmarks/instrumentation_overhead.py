@@ -5,6 +5,7 @@ Goal (issue 2): median step-time ratio on/off within 2 %.
 Run (2 stages, 2 ranks, CPU):
     DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 .venv/bin/deepspeed --num_gpus 2 --no_local_rank \
         benchmarks/instrumentation_overhead.py --preset tiny --micro 4 --gas 8 --blocks 10
+(`--quick`: 2 block pairs of 1 step, a CI smoke run whose ratio is noise.)
 
 One process per rank; within it, blocks of steps alternate between the
 instrumented engine (every pipeline instruction timed, a StepRecord per
@@ -30,7 +31,10 @@ def main() -> int:
     ap.add_argument("--steps-per-block", type=int, default=3)
     ap.add_argument("--torch-adam", action="store_true",
                     help="torch's Adam instead of DeepSpeed's (no JIT-compiled op on a fresh GPU machine)")
+    ap.add_argument("--quick", action="store_true", help="2 block pairs of 1 step: a smoke run (CI)")
     args = ap.parse_args()
+    if args.quick:
+        args.blocks, args.steps_per_block = 2, 1
 
     import deepspeed
     import torch

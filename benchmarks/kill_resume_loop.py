@@ -9,6 +9,7 @@ once), no process of any round left alive, and no DeepSpeed /dev/shm buffer of
 any trial left behind.
 
     .venv/bin/python benchmarks/kill_resume_loop.py --kills 10 --budget 4 --seed 1
+    .venv/bin/python benchmarks/kill_resume_loop.py --quick    # CI smoke run: 1 kill, budget 1
 """
 
 from __future__ import annotations
@@ -79,7 +80,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget", type=int, default=4)
     ap.add_argument("--max-delay", type=float, default=40.0, help="seconds; kill delay is uniform in [0.5, this]")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--quick", action="store_true", help="1 kill within 8 s, budget 1: a smoke run (CI)")
     args = ap.parse_args(argv)
+    if args.quick:
+        args.kills, args.budget, args.max_delay = 1, 1, 8.0
     rng = random.Random(args.seed)
     work = Path(tempfile.mkdtemp(prefix="kill-resume-"))
     (work / "ds.json").write_text(json.dumps(CONFIG))
@@ -100,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             proc.wait(timeout=delay)
             state = f"finished first (rc {proc.returncode})"
+            if proc.returncode != 0:  # a run that fails on its own proves nothing about resuming
+                failures.append(f"round {rounds + 1}: the run exited {proc.returncode} before the kill")
         except subprocess.TimeoutExpired:
             running = [r for r in rows(study) if r[1] == "running"]
             state = f"trial {running[0][0]} running" if running else "between trials"
@@ -137,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def ports(study: Path) -> set[int]:
+    if not (study / "study.db").exists():
+        return set()
     db = sqlite3.connect(study / "study.db", timeout=30)
     try:
         return {r[0] for r in db.execute("SELECT master_port FROM trials WHERE master_port IS NOT NULL")}
@@ -158,6 +166,8 @@ def check_final(study: Path, budget: int, pgids: set[int]) -> list[str]:
     leaked = [f.name for port in ports(study) for f in shm_buffers(port)]
     if leaked:
         problems.append(f"{len(leaked)} DeepSpeed /dev/shm buffers of the study's trials left: {leaked[:3]}")
+    if not (study / "summary.json").exists():
+        return problems + ["no summary.json"]
     summary = json.loads((study / "summary.json").read_text())
     if summary["counted_trials"] != budget:
         problems.append(f"summary.json counts {summary['counted_trials']} trials")

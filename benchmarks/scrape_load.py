@@ -146,7 +146,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--in-process", action="store_true",
                    help="serve from a thread of the training process (RankExporter) instead of the "
                         "child process `instrument()` uses by default (exporters/sidecar.py)")
+    p.add_argument("--quick", action="store_true",
+                   help="10 scrapers, 3 scraped seconds in 0.5-s slices: a smoke run (CI)")
     args = p.parse_args(argv)
+    if args.quick:
+        args.scrapers, args.seconds, args.slice = 10, 3.0, 0.5
     ctx = mp.get_context("spawn")
     stop = ctx.Event()
 

@@ -4,6 +4,7 @@ Goals (issue 2): `autotune run --budget 20` reaches >= 2.5x the baseline trial's
 samples/s, and >= 95 % of the best point of an exhaustive sweep of the same space.
 
     .venv/bin/python benchmarks/tuning_gain.py [--budget 20] [--repeats 3] [--out DIR]
+    .venv/bin/python benchmarks/tuning_gain.py --quick    # CI smoke run: every step, tiny sizes
 
 Steps, all real DeepSpeed trials on this machine:
 1. `autotune run --budget B` on the built-in default (study DIR/tuned);
@@ -16,6 +17,7 @@ Steps, all real DeepSpeed trials on this machine:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import subprocess
@@ -24,8 +26,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from autotune.session import RunOptions, baseline_config, build_space, load_base_config
+from autotune.options import RunOptions
 from autotune.space import TrialConfig
+from autotune.starting_point import baseline_config, build_space, load_base_config
 from autotune.trial import TrialRunner
 
 
@@ -34,20 +37,35 @@ def run_trial(runner: TrialRunner, cfg: TrialConfig, folder: Path, n: int) -> fl
     return out.result.samples_per_second if out.result.ok else 0.0
 
 
-def main() -> int:
+QUICK_ARGS = ["--dp", "1", "--steps", "2", "--warmup-steps", "1"]
+"""The quick mode's workload: 2 ranks, 2 measured steps (the same options for the study and the sweep)."""
+
+
+def quick_workload(opts: RunOptions) -> RunOptions:
+    """RunOptions with QUICK_ARGS applied, so the sweep runs the trials the quick study ran."""
+    wl = dataclasses.replace(opts.workload, data_parallel_size=1, steps=2, warmup_steps=1)
+    return dataclasses.replace(opts, workload=wl)
+
+
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--budget", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None)
-    args = ap.parse_args()
+    ap.add_argument("--quick", action="store_true",
+                    help=f"budget 2, sweep of 1 point, 1 repeat, trials of {QUICK_ARGS}: a smoke run (CI)")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.budget, args.repeats = 2, 1
+    run_args = QUICK_ARGS if args.quick else []
     out = Path(args.out or tempfile.mkdtemp(prefix="autotune-gain-"))
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
 
     print(f"1/3 autotune run --budget {args.budget} (study {out / 'tuned'})", flush=True)
     proc = subprocess.run([sys.executable, "-m", "autotune", "run", "--budget", str(args.budget),
-                           "--seed", str(args.seed), "--study", str(out / "tuned")])
+                           "--seed", str(args.seed), "--study", str(out / "tuned"), *run_args])
     if proc.returncode != 0:
         print("autotune run failed", file=sys.stderr)
         return 1
@@ -57,11 +75,13 @@ def main() -> int:
                             gradient_accumulation_steps=best["gradient_accumulation_steps"],
                             reduce_bucket_size=best["reduce_bucket_size"])
 
-    opts = RunOptions()
+    opts = quick_workload(RunOptions()) if args.quick else RunOptions()
     base = load_base_config(opts)
     space = build_space(opts, base)
     runner = TrialRunner(opts.workload, base)
     grid = space.grid(bucket_points=4)
+    if args.quick:  # one point (the largest micro-batch): the sweep's code path, not its coverage
+        grid = grid[-1:]
     print(f"2/3 exhaustive sweep: {len(grid)} points ({space.describe()})", flush=True)
     sweep = []
     for i, cfg in enumerate(grid):
