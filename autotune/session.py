@@ -98,13 +98,8 @@ def tune(opts: RunOptions, display: ProgressDisplay | None = None, *,
 
 
 def _store_meta(study: Study, opts: RunOptions, space: SearchSpace) -> None:
-    import json
-
-    with study._db:
-        study._db.executemany("INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)", [
-            ("budget", json.dumps(opts.budget)), ("space", json.dumps(dump_space(space))),
-            ("workload", json.dumps(dataclasses.asdict(opts.workload))),
-        ])
+    study.set_meta_json({"budget": opts.budget, "space": dump_space(space),
+                         "workload": dataclasses.asdict(opts.workload)})
 
 
 def _rules_hooks():

@@ -14,7 +14,6 @@ import json
 import os
 import sqlite3
 import statistics
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,61 +77,6 @@ class TrialRow:
     """The trial's torch.distributed port: names the /dev/shm buffers its ranks leave behind."""
     repeats: int = 1
     """How many successful trials ran this configuration (set by Study.best)."""
-
-
-CRASH_ENV = "AUTOTUNE_TEST_CRASH_AT"
-"""Test-only: `POINT[:N]` makes the controller os._exit(99) at a precise point (see crash_point)."""
-_writes = 0
-
-
-def crash_point(point: str, number: int | None = None) -> None:
-    """Test hook: die at once (as SIGKILL would) when AUTOTUNE_TEST_CRASH_AT names this point.
-
-    Points: after-start:N, during-trial:N, before-finish:N, after-finish:N, recover:N
-    (N = trial number; recover: a resumed controller about to clean up after trial N,
-    which a dead controller left running) and write:K (inside the K-th atomic file write
-    of this process, after the temporary file is written and before it replaces the
-    real one).
-    """
-    spec = os.environ.get(CRASH_ENV)
-    if not spec:
-        return
-    want, _, n = spec.partition(":")
-    if want == point and (not n or number is None or n == str(number)):
-        os._exit(99)
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write text so readers see the old or the new file, never half of one."""
-    global _writes
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        _writes += 1
-        crash_point("write", _writes)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    _fsync_dir(path.parent)
-
-
-def _fsync_dir(folder: Path) -> None:
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 class Study:
@@ -228,6 +172,12 @@ class Study:
         except sqlite3.DatabaseError:
             return None
         return row[0] if row else None
+
+    def set_meta_json(self, items: dict[str, Any]) -> None:
+        """Store each value as JSON under its key, all in one transaction."""
+        with self._db:
+            self._db.executemany("INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)",
+                                 [(k, json.dumps(v)) for k, v in items.items()])
 
     def get_meta_json(self, key: str) -> Any:
         raw = self.get_meta(key)

@@ -24,13 +24,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from autotune.display import ProgressDisplay
+from autotune.faults import crash_point
+from autotune.judge import TrialOutcome
 from autotune.launcher import leftover_ports, remove_shm_buffers, stop_leftovers
 from autotune.proposers.base import STATUS_FAILED, STATUS_OK, Proposal, Proposer, TrialResult
-from autotune.report import write_outputs
 from autotune.space import SearchSpace, TrialConfig
-from autotune.study import STATUS_INTERRUPTED, STATUS_RUNNING, Study, TrialRow, crash_point
+from autotune.study import STATUS_INTERRUPTED, STATUS_RUNNING, Study, TrialRow
+from autotune.study_outputs import write_outputs
 from autotune.summary import TrialSummary
-from autotune.trial import TrialOutcome, TrialRunner
+from autotune.trial import TrialRunner
 
 DEFAULT_FIRST_TIMEOUT = 900.0
 """Seconds for trials before one has finished (first runs may compile DeepSpeed ops)."""

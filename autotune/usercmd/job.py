@@ -136,9 +136,7 @@ def attach_user_job(study: Any, job: UserJob | None) -> UserJob | None:
         stored = study.get_meta_json(META_KEY)
         return UserJob(**stored) if stored else None
     if study.get_meta_json(META_KEY) is None:
-        with study._db:  # as session._store_meta writes the study's other meta
-            study._db.execute("INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)",
-                              (META_KEY, json.dumps(asdict(job))))
+        study.set_meta_json({META_KEY: asdict(job)})
     return job
 
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from autotune.study import STATUS_OK, Study, TrialRow, write_atomic
+from autotune.fileio import write_atomic
+from autotune.study import STATUS_OK, Study, TrialRow
 
 
 def trial_entry(t: TrialRow) -> dict[str, Any]:
@@ -24,7 +25,9 @@ def trial_entry(t: TrialRow) -> dict[str, Any]:
     }
 
 
-def build_summary(study: Study) -> dict[str, Any]:
+def study_results(study: Study) -> dict[str, Any]:
+    """summary.json's content: every trial, the baseline, the best, the speed-up (a dict of the
+    whole study, unlike `autotune.summary.TrialSummary`, one trial's signals)."""
     trials = study.trials()
     counted = [t for t in trials if t.status in ("ok", "failed")]
     baseline = next((t for t in counted if t.number == 0), None)
@@ -47,15 +50,15 @@ def build_summary(study: Study) -> dict[str, Any]:
 
 
 def write_outputs(study: Study, best_ds_config: dict | None) -> dict[str, Any]:
-    summary = build_summary(study)
+    summary = study_results(study)
     write_atomic(study.root / "summary.json", json.dumps(summary, indent=2) + "\n")
     if best_ds_config is not None:
         write_atomic(study.root / "best_ds_config.json", json.dumps(best_ds_config, indent=2) + "\n")
-    write_atomic(study.root / "report.md", render_report(summary))
+    write_atomic(study.root / "report.md", render_markdown(summary))
     return summary
 
 
-def render_report(summary: dict[str, Any]) -> str:
+def render_markdown(summary: dict[str, Any]) -> str:
     lines = ["# autotune report", ""]
     best, base = summary["best"], summary["baseline"]
     if best:
