@@ -44,10 +44,10 @@ def open_study(opts: RunOptions) -> tuple[Study, RunOptions]:
     return Study.open(root, create=True, meta={"settings": opts.to_dict()}), opts
 
 
-def prepare(opts: RunOptions) -> tuple[DsConfig, SearchSpace]:
+def prepare(opts: RunOptions, *, built_in: bool = True) -> tuple[DsConfig, SearchSpace]:
     """Validate, then build the starting config and the search space once, before the study
     folder is touched: a new study is never created with settings that cannot run."""
-    validate(opts)
+    validate(opts, built_in=built_in)
     base = load_base_config(opts)
     return base, build_space(opts, base)
 
@@ -60,7 +60,7 @@ def tune(opts: RunOptions, display: ProgressDisplay | None = None, *,
 
     display = display or ProgressDisplay(budget=opts.budget)
     job = prepare_user_job(opts, command, display.note) if command else None  # sets config, stages, dp
-    base, space = prepare(opts)
+    base, space = prepare(opts, built_in=job is None)
     check_precision(base)  # a precision the devices lack would fail every trial alike
     study, stored = open_study(opts)
     try:

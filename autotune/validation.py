@@ -16,8 +16,9 @@ _JOB = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 _HOST = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9.-]{0,251}[A-Za-z0-9])?$")
 
 
-def validate(opts: RunOptions) -> None:
-    """Every check of `opts`; each problem is one UserError naming the option and the fix."""
+def validate(opts: RunOptions, *, built_in: bool = True) -> None:
+    """Every check of `opts`; each problem is one UserError naming the option and the fix.
+    `built_in=False` (the user's own command): the preset's limits do not apply to their model."""
     wl = opts.workload
     check_fields(opts)  # type and range of every field, from autotune/options.py
     get_preset(wl.preset)
@@ -51,7 +52,7 @@ def validate(opts: RunOptions) -> None:
     parse_faults(wl.faults)
     preset = get_preset(wl.preset)
     preset_layers = preset.num_layers + 2
-    if wl.pipeline_stages > preset_layers:
+    if built_in and wl.pipeline_stages > preset_layers:
         raise UserError(f"--stages {wl.pipeline_stages} exceeds the {preset_layers} layers of preset {wl.preset}")
     if wl.tokens is not None:
         from autotune.workload.data import load_token_file

@@ -62,3 +62,12 @@ def test_a_rank_reads_the_same_workload_the_controller_wrote(tmp_path):
     spec = TrialSpec(workload=wl, trial=4, ds_config="/x/ds.json", metrics_csv="/x/m{rank}.csv", fault="nan")
     path = spec.write(tmp_path / "trial.json")
     assert parse_args(["--trial-spec", str(path)]) == spec
+
+
+def test_the_presets_layer_limit_binds_the_built_in_workload_only():
+    from autotune.validation import validate
+
+    opts = RunOptions(workload=WorkloadOptions(pipeline_stages=8))  # tiny has 4 blocks + 2 ends
+    with pytest.raises(UserError, match="exceeds the 6 layers of preset tiny"):
+        validate(opts)
+    validate(opts, built_in=False)  # the user's own model: their stages, not the preset's
