@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 from autotune.advisor.rulebook import BUILTIN_RULES, load_rule_file  # noqa: E402
 from autotune.dsconfig import load_ds_config  # noqa: E402
 from autotune.errors import AutotuneError  # noqa: E402
-from autotune.metrics_csv import read_metrics_csv  # noqa: E402
+from autotune.loaders import load_input  # noqa: E402
 from autotune.schema import CSV_COLUMNS, StepRecord, record_to_row  # noqa: E402
 
 WEIRD = ["", "-1", "0", "1e309", "-1e309", "nan", "inf", "-inf", "NaN", "1e-400", "9" * 40, "true",
@@ -147,11 +147,32 @@ def mutate_toml(text: str, rng: random.Random) -> str:
     return "\n".join(lines) + "\n"
 
 
+def advise_input(path: Path) -> None:
+    """What `autotune advise` does with a file: detect, read, summarize (the summary is where an
+    empty seq_length once crashed, after the reader had accepted the file)."""
+    load_input(path)
+
+
 LOADERS = {
     "ds_config": (load_ds_config, seed_ds_config, mutate_json, ".json"),
-    "metrics_csv": (read_metrics_csv, seed_csv, mutate_csv, ".csv"),
+    "metrics_csv": (advise_input, seed_csv, mutate_csv, ".csv"),
     "rule_file": (load_rule_file, seed_rules, mutate_toml, ".toml"),
 }
+
+
+def column_sweep() -> list[tuple[str, bytes]]:
+    """Every column of the seed CSV emptied, then made non-numeric, one column at a time."""
+    rows = list(csv.reader(io.StringIO(seed_csv())))
+    header, body = rows[0], rows[1:]
+    cases = []
+    for k, col in enumerate(header):
+        for cell in ("", "abc"):
+            buf = io.StringIO()
+            w = csv.writer(buf)
+            w.writerow(header)
+            w.writerows([*r[:k], cell, *r[k + 1:]] for r in body)
+            cases.append((f"{col}={cell or 'empty'}", buf.getvalue().encode()))
+    return cases
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -167,6 +188,20 @@ def main(argv: list[str] | None = None) -> int:
     bugs: dict[tuple[str, str], str] = {}
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
+        sweep = column_sweep()
+        stats["column_sweep"] = collections.Counter()
+        for label, data in sweep:  # deterministic, before the random cases
+            path = Path(tmp) / "sweep.csv"
+            path.write_bytes(data)
+            try:
+                advise_input(path)
+                stats["column_sweep"]["accepted"] += 1
+            except AutotuneError:
+                stats["column_sweep"]["rejected_cleanly"] += 1
+            except Exception as exc:
+                stats["column_sweep"]["traceback"] += 1
+                bugs[("column_sweep", f"{label}: {type(exc).__name__}: {str(exc)[:80]}")] = \
+                    "".join(traceback.format_exception(exc)[-3:])
         for i in range(args.cases):
             name = list(LOADERS)[i % len(LOADERS)]
             loader, seed, structured, suffix = LOADERS[name]
@@ -188,7 +223,8 @@ def main(argv: list[str] | None = None) -> int:
                     (Path(tempfile.gettempdir()) / f"fuzz-{name}-{len(bugs)}{suffix}").write_bytes(data)
     elapsed = time.perf_counter() - t0
     total_tb = sum(s["traceback"] for s in stats.values())
-    print(f"fuzz_loaders: {args.cases} cases in {elapsed:.1f} s (seed {args.seed})")
+    print(f"fuzz_loaders: {args.cases} random cases and {len(sweep)} column-sweep cases in {elapsed:.1f} s "
+          f"(seed {args.seed})")
     for name, s in stats.items():
         n = sum(s.values())
         print(f"  {name:<12} {n:>6} cases: {s['accepted']:>5} accepted, {s['rejected_cleanly']:>5} "

@@ -99,7 +99,8 @@ def test_scrape_load():
 
 def test_fuzz_loaders():
     out = run([sys.executable, "benchmarks/fuzz_loaders.py", "--quick"], timeout=300)
-    assert figure(out, r"fuzz_loaders: (\d+) cases", 1, 1e6) > 0
+    assert figure(out, r"fuzz_loaders: (\d+) random cases", 1, 1e6) > 0
+    assert figure(out, r"and (\d+) column-sweep cases", 1, 1e6) > 0  # every column emptied / non-numeric
     assert figure(out, r"total non-AutotuneError exceptions: (\d+)", 0, 1e6) == 0
 
 
