@@ -130,6 +130,8 @@ def precision_findings(cfg: DsConfig, device: str, *, name: str) -> list[Finding
     from autotune.precision import probe_devices, unsupported_message
 
     support = probe_devices(None if device == "auto" else device)
+    if device == "cuda" and not support.why_not and support.device.startswith("CUDA (no device"):
+        raise UserError("--device cuda: torch sees no CUDA device on this machine; use --device auto or cpu")
     out = []
     for precision in requested_precisions(cfg):
         if support.supported.get(precision, True):

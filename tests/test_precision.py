@@ -125,3 +125,15 @@ def test_check_says_the_same_when_it_knows_the_device(fp16_on_a_device_without_i
     unknown = CliRunner().invoke(cli, ["check", str(cfg)])
     assert unknown.exit_code == 0, unknown.output
     assert "not checked against any device" in unknown.output
+
+
+def test_check_refuses_to_ask_a_cuda_device_this_machine_does_not_have(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device: the refusal is for machines without one")
+    cfg = tmp_path / "ds.json"
+    cfg.write_text(json.dumps({**FAST_CONFIG, "fp16": {"enabled": True}}))
+    res = CliRunner().invoke(cli, ["check", str(cfg), "--device", "cuda"])
+    assert res.exit_code == 2 and "no CUDA device" in res.output
+
