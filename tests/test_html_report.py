@@ -227,13 +227,22 @@ def test_advise_html_for_a_metrics_csv(tmp_path):
     assert "Findings" in page and f"wrote {out}" in result.output
 
 
-def test_advise_html_for_an_nvidia_smi_log_says_what_it_lacks(tmp_path):
+def test_advise_html_for_an_nvidia_smi_log_draws_each_device_and_says_what_it_lacks(tmp_path):
+    from autotune.loaders.nvidia_smi import utilization_series
+
+    src = FIXTURES / "nvidia_smi_2gpu.csv"
     out = tmp_path / "smi.html"
-    result = CliRunner().invoke(cli, ["advise", str(FIXTURES / "nvidia_smi_2gpu.csv"), "--html", str(out)])
+    result = CliRunner().invoke(cli, ["advise", str(src), "--html", str(out)])
     assert result.exit_code == 0, result.output
     page = out.read_text()
-    assert figures_in(page) == {} and "carries no per-step, per-rank timing" in page
-    assert not (tmp_path / "smi_figures").exists()
+    figs = figures_in(page)
+    assert set(figs) == {"util-devices"} and figs["util-devices"] > 1000
+    assert "Device utilization over time" in page and "carries no per-step timing" in page
+    assert (tmp_path / "smi_figures" / "util-devices.svg").is_file()
+    series = utilization_series(src)  # the figure's data: every GPU, every sample
+    assert len(series) == 2 and all(len(v) >= 2 for v in series.values())
+    svg = (tmp_path / "smi_figures" / "util-devices.svg").read_text()
+    assert all(f"GPU {g}" in svg for g in series)
 
 
 def test_advise_html_refuses_to_overwrite_its_input(tmp_path):

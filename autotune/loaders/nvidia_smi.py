@@ -39,6 +39,15 @@ def _split(cell: str) -> tuple[str, str]:
 
 def load_nvidia_smi(path: str | Path) -> SignalSet:
     p = Path(path)
+    return _signals(p, *_read(p))
+
+
+def utilization_series(path: str | Path) -> dict[str, list[float]]:
+    """Each GPU's 0-1 utilization samples in file order (the HTML page draws them over time)."""
+    return dict(_read(Path(path))[0])
+
+
+def _read(p: Path) -> tuple[dict[str, list[float]], list[tuple[str, float]], list[float]]:
     rows = read_rows(p, "nvidia-smi")
     header = [_split(h) for h in rows[0]]
     names = [n for n, _ in header]
@@ -69,7 +78,7 @@ def load_nvidia_smi(path: str | Path) -> SignalSet:
                     used_ratio.append((gpu, used / total))
     if not util:
         raise InputFileError(f"{p}: no utilization samples in the nvidia-smi CSV")
-    return _signals(p, util, used_ratio, used_bytes)
+    return util, used_ratio, used_bytes
 
 
 def _value(p: Path, line: int, cell: str, header_unit: str, percent: bool = False) -> float | None:

@@ -84,7 +84,7 @@ def write_metrics_report(out: str | Path, metrics: str | Path, loaded: Any, find
     from autotune.report_html.page import render_metrics
 
     data = gather_metrics(metrics, list(findings), loaded.format, loaded.notes, loaded.subjects)
-    figs = metrics_figures(data.steps)
+    figs = metrics_figures(data.steps, data.device_utilization)
     fig_dir = f"{out.stem}_figures"
     return _write(out, out.parent / fig_dir, fig_dir, lambda href: render_metrics(data, figs, href), figs)
 

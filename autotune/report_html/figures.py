@@ -226,8 +226,26 @@ def _pair(r: StudyReport) -> list[tuple[str, StepData]]:
     return out
 
 
-def metrics_figures(steps: dict[int, StepData]) -> list[Figure]:
-    figs: list[Figure] = []
+def device_utilization(series: dict[str, list[float]]) -> Figure:
+    """An nvidia-smi log: each GPU's utilization over its samples (a device far above the others
+    is a pipeline's bottleneck stage)."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(WIDTH * 0.9, HEIGHT))
+    for i, (gpu, values) in enumerate(sorted(series.items())):
+        ax.plot(range(len(values)), [100 * u for u in values], "-", linewidth=1.3,
+                color=SOURCE_COLORS[i % len(SOURCE_COLORS)], label=f"GPU {gpu}")
+    ax.set_ylim(0, 105)
+    ax.set_xlabel("sample (nvidia-smi -l interval)")
+    ax.set_ylabel("GPU utilization %")
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=min(4, max(2, len(series))), frameon=False)
+    return _finish(plt, fig, "util-devices", "Utilization: every GPU of the log",
+                   "nvidia-smi's utilization.gpu of each device at every sample: the share of the "
+                   "sampling interval in which a kernel ran.")
+
+
+def metrics_figures(steps: dict[int, StepData], devices: dict[str, list[float]] | None = None) -> list[Figure]:
+    figs: list[Figure] = [device_utilization(devices)] if devices else []
     xmax = max((s.step for d in steps.values() for s in d.stages), default=0.0) * 1.05 or None
     for trial, data in sorted(steps.items()):
         label, tag = (f"trial {trial}", f"trial-{trial:03d}") if trial >= 0 else ("this run", "run")

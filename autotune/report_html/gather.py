@@ -137,6 +137,8 @@ class MetricsReport:
     insufficient: list[Any]
     notes: list[str]
     missing: list[str] = field(default_factory=list)
+    device_utilization: dict[str, list[float]] = field(default_factory=dict)
+    """An nvidia-smi log's per-GPU utilization samples (0-1), in file order."""
 
 
 # -- opening a study read-only -------------------------------------------------------
@@ -405,13 +407,20 @@ def _config_diff(study: Study, baseline: TrialRow | None, best: TrialRow) -> tup
 def gather_metrics(path: str | Path, findings: list[Any], fmt: str, notes: list[str],
                    subjects: list[Any]) -> MetricsReport:
     """The page's data for a file `advise` already loaded and evaluated."""
-    from autotune.loaders.detect import METRICS
+    from autotune.loaders.detect import METRICS, NVIDIA_SMI
 
     path = Path(path)
     summaries = [s for s in subjects if isinstance(s, TrialSummary)]
     report = MetricsReport(source=path, format=fmt, summaries=summaries, steps={},
                            findings=[f for f in findings if f.fired],
                            insufficient=[f for f in findings if not f.fired], notes=list(notes))
+    if fmt == NVIDIA_SMI:
+        from autotune.loaders.nvidia_smi import utilization_series
+
+        report.device_utilization = utilization_series(path)
+        report.missing.append("An nvidia-smi log carries no per-step timing: the step split is drawn for "
+                              "autotune metrics CSVs only; utilization is drawn per device over its samples.")
+        return report
     if fmt != METRICS:
         report.missing.append(f"A {fmt} file carries no per-step, per-rank timing: utilization over the "
                               "steps and the step split are drawn for autotune metrics CSVs only.")

@@ -303,7 +303,8 @@ def render_metrics(m: MetricsReport, figs: Sequence[Figure], figures_href: str) 
     util = [f for f in figs if f.name.startswith("util-")]
     split = [f for f in figs if f.name.startswith("split-")]
     if util:
-        parts += ["<h2>Device utilization over the steps</h2>", _grid(util, figures_href)]
+        when = "time" if m.device_utilization else "the steps"  # an nvidia-smi log has samples, not steps
+        parts += [f"<h2>Device utilization over {when}</h2>", _grid(util, figures_href)]
     if split:
         parts += ["<h2>Where did the time go?</h2>", _grid(split, figures_href)]
     parts += ["<h2>Findings</h2>", _findings(m.findings, "No rule fired on this input.")]
