@@ -1,10 +1,13 @@
 """The tests' builders, in one place: a StepRecord (`record`), a healthy TrialSummary to
-perturb (`healthy_summary`), a grid of records, and CSV text as the product writes it."""
+perturb (`healthy_summary`), a grid of records, CSV text as the product writes it, and folders
+that are not studies (`not_a_study`)."""
 
 from __future__ import annotations
 
 import csv
 import io
+import sqlite3
+from pathlib import Path
 
 from autotune.schema import CSV_COLUMNS, StepRecord, record_to_row
 from autotune.summary import RankSummary, TrialSummary, ideal_bubble_fraction
@@ -74,4 +77,26 @@ def grid_records(trials: int = 1, steps: int = 6, ranks: int = 4, **overrides: o
                                   device_utilization=0.6 + 0.01 * ((s + r) % 3), **overrides))
     return out
 
+
+def not_a_study(root: Path, kind: str) -> None:
+    """A folder (or file) at `root` that autotune must refuse as a study, and never write into:
+    "plain" (files of someone else's), "file" (not a folder), "garbage-db" (not SQLite),
+    "foreign-db" (SQLite of something else), "empty-db" (an empty database)."""
+    if kind == "file":
+        root.write_text("a file, not a folder")
+        return
+    root.mkdir()
+    if kind == "plain":
+        (root / "notes.txt").write_text("mine")
+    elif kind == "garbage-db":
+        (root / "study.db").write_bytes(b"this is not sqlite" * 100)
+    elif kind == "foreign-db":
+        db = sqlite3.connect(root / "study.db")
+        db.execute("CREATE TABLE users(name TEXT)")
+        db.commit()
+        db.close()
+    elif kind == "empty-db":
+        sqlite3.connect(root / "study.db").close()
+    else:
+        raise ValueError(kind)
 

@@ -9,13 +9,13 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-import sqlite3
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from builders import not_a_study
 from click.testing import CliRunner
 
 from autotune.cli import cli
@@ -165,23 +165,9 @@ def test_study_folder_from_elsewhere_is_refused_untouched(tmp_path, kind, needle
         make_study(root, format="99")
     elif kind == "bad-settings":
         make_study(root, settings=json.dumps({"budget": 2, "warp_drive": True}))
-    elif kind == "not-a-study-folder":
-        root.mkdir()
-        (root / "notes.txt").write_text("mine")
-    elif kind == "garbage-db":
-        root.mkdir()
-        write(root / "study.db", b"this is not sqlite" * 100)
-    elif kind == "foreign-sqlite":
-        root.mkdir()
-        db = sqlite3.connect(root / "study.db")
-        db.execute("CREATE TABLE users(name TEXT)")
-        db.commit()
-        db.close()
-    elif kind == "empty-db":
-        root.mkdir()
-        sqlite3.connect(root / "study.db").close()
     else:
-        write(root, "a file, not a folder")
+        not_a_study(root, {"not-a-study-folder": "plain", "foreign-sqlite": "foreign-db",
+                           "a-file": "file"}.get(kind, kind))
     before = folder_hash(root) if root.is_dir() else root.read_bytes()
     assert_user_error(invoke("run", "--study", str(root), "--budget", "2"), needle)
     assert_user_error(invoke("run", "--study", str(root), "--budget", "2", "--resume"))

@@ -6,6 +6,7 @@ import re
 import sqlite3
 
 import pytest
+from builders import not_a_study
 from click.testing import CliRunner
 from html_study import CFGS, failed_trial, full_study, new_study, ok_trial
 
@@ -133,17 +134,8 @@ def test_report_reads_the_study_without_writing_to_its_database(tmp_path):
 @pytest.mark.parametrize("make", ["missing", "plain", "file", "foreign-db", "newer"])
 def test_refused_folders_are_one_line_exit_2_and_left_untouched(tmp_path, make):
     root = tmp_path / "x"
-    if make == "plain":
-        root.mkdir()
-        (root / "notes.txt").write_text("keep")
-    elif make == "file":
-        root.write_text("a file")
-    elif make == "foreign-db":
-        root.mkdir()
-        conn = sqlite3.connect(root / "study.db")
-        conn.execute("CREATE TABLE other (x)")
-        conn.commit()
-        conn.close()
+    if make in ("plain", "file", "foreign-db"):
+        not_a_study(root, make)
     elif make == "newer":
         s = new_study(root)
         with s._db:
@@ -159,7 +151,7 @@ def test_refused_folders_are_one_line_exit_2_and_left_untouched(tmp_path, make):
     if root.is_dir():
         assert tree(root) == before
     else:
-        assert not root.exists() or root.read_text() == "a file"
+        assert not root.exists() or root.read_text() == "a file, not a folder"
 
 
 def test_cli_report_with_out_folder(tmp_path):
