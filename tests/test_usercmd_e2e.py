@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 from launch_helpers import autotune_cli
 
+from autotune.launcher import free_port, remove_shm_buffers
+
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "examples"
@@ -87,9 +89,14 @@ def test_best_config_trains_the_script_on_its_own(loader_study):
     best = study / "best_ds_config.json"
     summary = json.loads((study / "summary.json").read_text())
     assert summary["best"] is not None and (study / "report.md").is_file()
-    proc = subprocess.run(["deepspeed", "--num_gpus", "2", str(EXAMPLES / "pipeline_train.py"),
-                           "--deepspeed_config", str(best), "--steps", "2", "--save-dir", "own"],
-                          cwd=cwd, capture_output=True, text=True, timeout=900, env={**os.environ, **_env()})
+    port = free_port()  # its own port, so its /dev/shm buffers (DeepSpeed never unlinks them) go after
+    try:
+        proc = subprocess.run(["deepspeed", "--num_gpus", "2", "--master_port", str(port),
+                               str(EXAMPLES / "pipeline_train.py"), "--deepspeed_config", str(best),
+                               "--steps", "2", "--save-dir", "own"],
+                              cwd=cwd, capture_output=True, text=True, timeout=900, env={**os.environ, **_env()})
+    finally:
+        remove_shm_buffers(port)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert (cwd / "own").is_dir()  # unstopped, the script reaches its own checkpoint
 
