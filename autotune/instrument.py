@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import resource
 import socket
+import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
@@ -140,6 +141,14 @@ class PipelineProbe:
         if self.on_step is not None:
             self.on_step(record)
         return loss
+
+    def close_sinks(self) -> None:
+        """Flush and close every sink (the CSV fsyncs); one that fails does not keep the rest open."""
+        for sink in self.sinks:
+            try:
+                getattr(sink, "close", lambda: None)()
+            except Exception as exc:  # noqa: BLE001 - said, then the others still close
+                print(f"autotune: closing a metrics sink failed: {exc}", file=sys.stderr, flush=True)
 
     def _record(self, step_seconds: float, parts: dict[str, float], loss: Any) -> StepRecord:
         eng = self.engine

@@ -43,13 +43,7 @@ class TrialRunner:
 
     def run(self, number: int, config: TrialConfig, trial_dir: Path, *, timeout: float,
             on_start: Callable[[TrialProcess], None] | None = None) -> TrialOutcome:
-        trial_dir = trial_dir.resolve()  # absolute in every command line: leftovers are found by it
-        trial_dir.mkdir(parents=True, exist_ok=True)
-        for old in trial_dir.glob("metrics-rank*.csv"):  # a re-run after an interruption starts clean
-            old.unlink()
-        keep_old_log(trial_dir / "launcher.log")
-        ds_path = trial_dir / "ds_config.json"
-        ds_path.write_text(json.dumps(self.ds_config_for(config), indent=2) + "\n", encoding="utf-8")
+        trial_dir, ds_path = prepare_trial_dir(trial_dir, self.ds_config_for(config))
         fault = self.workload.fault_for(number)
         description = self.describe(number, trial_dir)
         spec = LaunchSpec(
@@ -81,6 +75,20 @@ class TrialRunner:
         outcome = LaunchOutcome(returncode=rc, timed_out=timed_out,
                                 wall_seconds=time.monotonic() - proc.started, log_path=spec.log_path)
         return judge(outcome, trial_dir, timeout)
+
+
+def prepare_trial_dir(trial_dir: Path, ds_config: dict, *, stale: tuple[str, ...] = ()) -> tuple[Path, Path]:
+    """The trial folder, absolute, cleared of an interrupted attempt's results (its CSVs and any
+    `stale` patterns; its log kept aside), with the trial's ds_config.json written in it."""
+    trial_dir = trial_dir.resolve()  # absolute in every command line: leftovers are found by it
+    trial_dir.mkdir(parents=True, exist_ok=True)
+    for pattern in ("metrics-rank*.csv", *stale):  # a re-run after an interruption starts clean
+        for old in trial_dir.glob(pattern):
+            old.unlink()
+    keep_old_log(trial_dir / "launcher.log")
+    ds_path = trial_dir / "ds_config.json"
+    ds_path.write_text(json.dumps(ds_config, indent=2) + "\n", encoding="utf-8")
+    return trial_dir, ds_path
 
 
 def keep_old_log(log: Path) -> None:

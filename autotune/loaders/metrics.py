@@ -129,7 +129,7 @@ def read_trial_columns(paths: list[Path]) -> Columns:
 def read_records(path: str | Path) -> list[StepRecord]:
     """The file as StepRecords, through the same reader and validation as the summaries."""
     cols = read_columns(path)
-    text = _read_text_columns(path, [c for c in TEXT_COLUMNS if c in read_header(path)])
+    text = read_text_columns(path, [c for c in TEXT_COLUMNS if c in read_header(path)])
     names = list(cols)
     out = []
     for i in range(len(cols["time"])):
@@ -139,7 +139,8 @@ def read_records(path: str | Path) -> list[StepRecord]:
     return out
 
 
-def _read_text_columns(path: str | Path, names: list[str]) -> dict[str, list[str]]:
+def read_text_columns(path: str | Path, names: list[str]) -> dict[str, list[str]]:
+    """The text columns (device, host) that the numeric reader leaves out."""
     if not names:
         return {}
     with open(path, newline="", encoding="utf-8-sig") as fh:

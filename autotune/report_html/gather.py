@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 from autotune.errors import InputFileError, StudyError
-from autotune.schema import StepRecord
 from autotune.space import TrialConfig
 from autotune.study import (
     DB_NAME,
@@ -292,47 +291,26 @@ def _nums(nums: list[int]) -> str:
 
 
 def _trial_steps(trial_dir: Path, number: int) -> tuple[StepData | None, str]:
-    from autotune.metrics_csv import read_metrics_csv
+    from autotune.loaders.metrics import read_text_columns, read_trial_columns
 
     files = sorted(trial_dir.glob("metrics-rank*.csv"))
     rel = f"{trial_dir.name}/metrics-rank*.csv"
     if not files:
         return None, (f"Trial {number}'s per-rank metrics ({rel}) are missing: its time split and "
                       "utilization over the steps cannot be drawn (its stored summary is still used).")
-    try:
-        records = [r for p in files for r in read_metrics_csv(p)]
-    except InputFileError as exc:
+    try:  # the one reader, as the trial's judge and `advise` read these files
+        cols = read_trial_columns(files)
+        devices = read_text_columns(files[0], ["device"]).get("device") or [""]
+    except (InputFileError, OSError) as exc:
         return None, f"Trial {number}'s per-rank metrics cannot be read ({exc}): no time split or utilization for it."
-    data = steps_from_records(records, number)
+    data = steps_from_columns(cols, number, device=devices[0])
     if data is None:
         return None, f"Trial {number}'s per-rank metrics ({rel}) hold no measured step."
     return data, ""
 
 
-def steps_from_records(records: list[StepRecord], trial: int) -> StepData | None:
-    by_rank: dict[int, list[StepRecord]] = {}
-    for r in records:
-        if r.trial == trial and not r.warmup:
-            by_rank.setdefault(r.rank, []).append(r)
-    if not by_rank:
-        return None
-    ranks = []
-    for rank in sorted(by_rank):
-        rows = sorted(by_rank[rank], key=lambda r: r.step)
-        ranks.append(RankSteps(
-            rank=rank, stage=rows[0].stage, device=rows[0].device, step=[r.step for r in rows],
-            utilization=[r.device_utilization for r in rows],
-            step_seconds=[r.step_seconds for r in rows], compute_seconds=[r.compute_seconds for r in rows],
-            comm_seconds=[r.comm_seconds for r in rows], wait_seconds=[r.wait_seconds for r in rows],
-            data_seconds=[r.data_seconds for r in rows],
-            from_device=any(r.utilization_from_device == 1 for r in rows)))
-    first = by_rank[min(by_rank)][0]
-    return StepData(trial=trial, ranks=ranks,
-                    stages=_stage_split(ranks, first.pipeline_stages, first.gradient_accumulation_steps))
-
-
-def steps_from_columns(cols: dict[str, Any], trial: int) -> StepData | None:
-    """The same StepData from the columnar reader of `autotune.loaders.metrics`."""
+def steps_from_columns(cols: dict[str, Any], trial: int, *, device: str = "") -> StepData | None:
+    """One trial's per-rank steps from the columnar reader of `autotune.loaders.metrics`."""
     import numpy as np
 
     sel = (cols["trial"] == trial) & (cols["warmup"] == 0)
@@ -348,7 +326,7 @@ def steps_from_columns(cols: dict[str, Any], trial: int) -> StepData | None:
             return [float(x) for x in np.nan_to_num(c[name][m][order])] if name in c else [0.0] * int(m.sum())
 
         ranks.append(RankSteps(
-            rank=int(rank), stage=int(c["stage"][m][0]), device="", step=[int(s) for s in col("step")],
+            rank=int(rank), stage=int(c["stage"][m][0]), device=device, step=[int(s) for s in col("step")],
             utilization=col("device_utilization"), step_seconds=col("step_seconds"),
             compute_seconds=col("compute_seconds"), comm_seconds=col("comm_seconds"),
             wait_seconds=col("wait_seconds"), data_seconds=col("data_seconds"),

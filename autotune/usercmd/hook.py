@@ -201,11 +201,8 @@ class _RankState:
             os._exit(0)
 
     def close_sinks(self) -> None:
-        for sink in getattr(self.probe, "sinks", ()):
-            try:
-                getattr(sink, "close", lambda: None)()
-            except Exception as exc:  # noqa: BLE001 - one broken sink must not keep the rest open
-                print(f"autotune: closing a metrics sink failed: {exc}", file=sys.stderr, flush=True)
+        if self.probe is not None:
+            self.probe.close_sinks()
 
     def on_normal_exit(self) -> None:
         """The script ended by itself (its own --steps ran out) before the trial's steps."""

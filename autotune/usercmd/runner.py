@@ -28,7 +28,7 @@ from autotune.dsconfig import DEEPSPEED_DEFAULT_BUCKET, DsConfig
 from autotune.judge import TrialOutcome, failed, judge
 from autotune.launcher import LaunchOutcome, LaunchSpec, TrialProcess, accelerator_env, free_port
 from autotune.space import TrialConfig
-from autotune.trial import keep_old_log
+from autotune.trial import prepare_trial_dir
 from autotune.usercmd.command import UserCommand
 from autotune.usercmd.hook import ENV, MODE_PROBE, MODE_TRIAL, BootstrapSettings
 
@@ -193,14 +193,8 @@ class UserCommandRunner:
 
     def run(self, number: int, config: TrialConfig, trial_dir: Path, *, timeout: float,
             on_start: Callable[[TrialProcess], None] | None = None) -> TrialOutcome:
-        trial_dir = trial_dir.resolve()  # absolute on every command line: leftovers are found by it
-        trial_dir.mkdir(parents=True, exist_ok=True)
-        for pattern in ("metrics-rank*.csv", "engine-rank*.json", "done-rank*.json", "exit-rank*.json"):
-            for old in trial_dir.glob(pattern):  # a re-run after an interruption starts clean
-                old.unlink()
-        keep_old_log(trial_dir / "launcher.log")
-        ds_path = trial_dir / "ds_config.json"
-        ds_path.write_text(json.dumps(self.ds_config_for(config), indent=2) + "\n", encoding="utf-8")
+        trial_dir, ds_path = prepare_trial_dir(
+            trial_dir, self.ds_config_for(config), stale=("engine-rank*.json", "done-rank*.json", "exit-rank*.json"))
         settings = BootstrapSettings(mode=MODE_TRIAL, trial_dir=str(trial_dir), trial=number,
                                      warmup_steps=self.warmup_steps, steps=self.steps,
                                      metrics_port=self.metrics_port, metrics_addr=self.metrics_addr,

@@ -105,8 +105,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"autotune: non-finite loss {value} at step {step} on rank {rank}",
                   file=sys.stderr, flush=True)
             return EXIT_NONFINITE_LOSS
-    for sink in probe.sinks:
-        getattr(sink, "close", lambda: None)()
+    probe.close_sinks()
     return 0
 
 
