@@ -216,13 +216,18 @@ def _acting_bucket(engine: Any, dp: int) -> int | None:
 
 def instrument(engine: Any, *, csv_path: str | None = None, metrics_port: int | None = None,
                metrics_addr: str = "127.0.0.1", trial: int = -1, job: str = "autotune",
-               warmup_steps: int = 1, seq_length: int = 0, metrics_in_process: bool = False) -> PipelineProbe:
+               warmup_steps: int = 1, seq_length: int = 0, metrics_in_process: bool = False,
+               endpoint_file: str | bool = True) -> PipelineProbe:
     """One-liner for any training script: time the engine, write a CSV and/or serve Prometheus.
 
     `metrics_port` is the base port; each rank serves on base + local rank. The
     endpoint runs in a child process fed through a pipe (exporters/sidecar.py), so
     scrapes cost the training process no GIL time; `metrics_in_process=True`
     serves from a thread of this process instead (no extra process).
+
+    `endpoint_file`: where the rank records the endpoint it actually bound (a taken
+    port falls back to another, exporters/file_sd.py); `{rank}` is replaced. True:
+    `endpoint-rank{rank}.json` beside the CSV, when there is one; False: nowhere.
     """
     import os
 
@@ -241,16 +246,37 @@ def instrument(engine: Any, *, csv_path: str | None = None, metrics_port: int | 
         # default: HTTP served by a child process, off this process's GIL
         start = start_rank_exporter if metrics_in_process else start_sidecar_exporter
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        exporter = start(
-            addr=metrics_addr, port=metrics_port + local_rank,
-            labels={"job": job, "trial": str(trial), "rank": str(engine.global_rank),
-                    "stage": str(engine.stage_id), "device": str(engine.device),
-                    "host": socket.gethostname()},
-        )
+        labels = {"job": job, "trial": str(trial), "rank": str(engine.global_rank),
+                  "stage": str(engine.stage_id), "device": str(engine.device), "host": socket.gethostname()}
+        exporter = start(addr=metrics_addr, port=metrics_port + local_rank, labels=labels)
         if exporter is not None:
             sinks.append(exporter)
+            _record_endpoint(exporter, endpoint_file, csv_path, labels)
     return PipelineProbe(engine, sinks=sinks, trial=trial, warmup_steps=warmup_steps,
                          seq_length=seq_length, device=device).install()
+
+
+def _record_endpoint(exporter: Any, endpoint_file: str | bool, csv_path: str | None,
+                     labels: dict[str, str]) -> None:
+    """Say where this rank serves, for the run's Prometheus targets file; never fails the rank."""
+    import os
+
+    if endpoint_file is True:
+        if csv_path is None:
+            return
+        endpoint_file = os.path.join(os.path.dirname(csv_path), "endpoint-rank{rank}.json")
+    if not endpoint_file:
+        return
+    url = getattr(exporter, "url", None) or getattr(getattr(exporter, "endpoint", None), "url", None)
+    if url is None:
+        return
+    from exporters.file_sd import write_rank_endpoint
+
+    try:
+        write_rank_endpoint(str(endpoint_file).replace("{rank}", labels["rank"]), url=url, labels=labels)
+    except OSError as exc:
+        print(f"autotune: cannot record this rank's metrics endpoint ({exc}); it serves on {url}",
+              file=sys.stderr, flush=True)
 
 
 def engine_device_probe(engine: Any) -> DeviceProbe | None:
