@@ -108,12 +108,16 @@ class RunOptions:
     bucket_max: int = option(500_000_000, "Largest reduce_bucket_size.", lo=1, hi=10**12, unit="elements",
                              group="space", cli_type=float)
     # The endpoints
-    metrics_port: int | None = option(None, "Serve the controller's Prometheus metrics on this port.",
-                                      lo=1, hi=65535, unit="port", group="endpoints")
-    rank_metrics_port: int | None = option(None, "Base port of each rank's endpoint (rank r: base + r).",
+    metrics_port: int | None = option(9700, "Serve the controller's Prometheus metrics on this port "
+                                      "(taken: the next free of 8).", lo=1, hi=65535, unit="port",
+                                      group="endpoints")
+    rank_metrics_port: int | None = option(9710, "Base port of each rank's endpoint (local rank r: base + r; "
+                                           "the ports bound are listed in STUDY/prometheus_targets.json).",
                                            lo=1, hi=65535, unit="port", group="endpoints")
     metrics_addr: str = option("127.0.0.1", "Bind address of the endpoints (anything but loopback "
                                "exposes them).", group="endpoints")
+    no_metrics: bool = option(False, "Serve no live metrics (neither the controller's nor the ranks' "
+                              "endpoints, no targets file).", group="endpoints")
     workload: WorkloadOptions = option(None, "", cli=False, factory=WorkloadOptions)
 
     def to_dict(self) -> dict[str, Any]:

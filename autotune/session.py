@@ -38,6 +38,8 @@ def open_study(opts: RunOptions) -> tuple[Study, RunOptions]:
                             "version?); start a new study with another --study") from None
         resumed.budget, resumed.resume = opts.budget, True
         resumed.trial_timeout = opts.trial_timeout or resumed.trial_timeout
+        for name in ("metrics_port", "rank_metrics_port", "metrics_addr", "no_metrics"):
+            setattr(resumed, name, getattr(opts, name))  # where to serve is this run's, not the study's
         return study, resumed
     if opts.resume:
         raise UserError(f"{root}: nothing to resume (no study.db); drop --resume to start a new study")
@@ -63,6 +65,7 @@ def tune(opts: RunOptions, display: ProgressDisplay | None = None, *,
     base, space = prepare(opts, built_in=job is None)
     check_precision(base)  # a precision the devices lack would fail every trial alike
     study, stored = open_study(opts)
+    exporter = None
     try:
         if stored is not opts:  # a resumed study runs the settings it was created with
             opts = stored
@@ -80,20 +83,22 @@ def tune(opts: RunOptions, display: ProgressDisplay | None = None, *,
         proposer = make_proposer(opts.tuner, space, seed=opts.seed, moves=moves, budget=opts.budget)
         baseline = baseline_config(base, opts, space)
         wl = opts.workload
-        if opts.rank_metrics_port is not None:
-            wl.metrics_port, wl.metrics_addr = opts.rank_metrics_port, opts.metrics_addr
+        wl.metrics_port = None if opts.no_metrics else opts.rank_metrics_port
+        wl.metrics_addr = opts.metrics_addr
         display.note(f"study: {study.root}  |  workload: {job.describe() if job else wl.preset}, "
                      f"{wl.pipeline_stages} stages x "
                      f"{wl.data_parallel_size} dp = {wl.world_size} ranks  |  tuner: {opts.tuner}, "
                      f"budget {opts.budget}")
         display.note(f"space: {space.describe()}")
-        exporter = _controller_exporter(opts, display)
+        exporter = _live_metrics(opts, display, study)
         runner = job.runner(opts, base) if job else TrialRunner(wl, base)
         tuner = Tuner(study=study, runner=runner, space=space, proposer=proposer,
                       baseline=baseline, display=display, budget=opts.budget,
                       trial_timeout=opts.trial_timeout, rules_fired=fired, exporter=exporter)
         return tuner.run()
     finally:
+        if exporter is not None:
+            exporter.close()
         study.close()
 
 
@@ -113,20 +118,14 @@ def _rules_hooks():
     return propose_moves, fired
 
 
-def _controller_exporter(opts: RunOptions, display: ProgressDisplay):
-    if opts.metrics_port is None:
-        if opts.rank_metrics_port is not None:
-            last = opts.rank_metrics_port + opts.workload.world_size - 1
-            display.note(f"rank metrics: http://{opts.metrics_addr}:{opts.rank_metrics_port}..{last}/metrics")
+def _live_metrics(opts: RunOptions, display: ProgressDisplay, study: Study):
+    """The controller and rank endpoints (on by default) and STUDY/prometheus_targets.json."""
+    if opts.no_metrics or (opts.metrics_port is None and opts.rank_metrics_port is None):
         return None
-    from exporters.prometheus_controller import ControllerExporter
+    from exporters.run_endpoints import start_run_endpoints
 
-    exporter = ControllerExporter(job=opts.workload.job)
-    exporter.serve(addr=opts.metrics_addr, port=opts.metrics_port)  # prints its URL, or warns
-    if opts.rank_metrics_port is not None:
-        last = opts.rank_metrics_port + opts.workload.world_size - 1
-        display.note(f"rank metrics: http://{opts.metrics_addr}:{opts.rank_metrics_port}..{last}/metrics "
-                     "while a trial runs (fallback ports, if any, are in each trial's launcher.log)")
-    return exporter
+    return start_run_endpoints(job=opts.workload.job, addr=opts.metrics_addr, controller_port=opts.metrics_port,
+                               rank_port=opts.workload.metrics_port, world_size=opts.workload.world_size,
+                               folder=study.root, trial_dir=study.trial_dir, note=display.note)
 
 
