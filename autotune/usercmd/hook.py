@@ -33,7 +33,7 @@ ENV = "AUTOTUNE_USERCMD"
 """The controller's settings for the ranks, as JSON (BootstrapSettings)."""
 EXIT_NOT_PIPELINE = 45
 """A rank whose deepspeed.initialize returned no PipelineEngine exits with this."""
-MODE_TRIAL, MODE_PROBE = "trial", "probe"
+MODE_TRIAL, MODE_PROBE, MODE_WATCH = "trial", "probe", "watch"
 
 
 @dataclass(kw_only=True, slots=True)
@@ -42,7 +42,8 @@ class BootstrapSettings:
 
     mode: str = MODE_TRIAL
     """`trial`: instrument and stop after warm-up + measured steps; `probe`: stop right
-    after deepspeed.initialize (the start-up check that reads the pipeline's shape)."""
+    after deepspeed.initialize (the start-up check that reads the pipeline's shape);
+    `watch`: instrument and never stop (`autotune watch`: the job runs as long as it runs)."""
     trial_dir: str
     trial: int = -1
     warmup_steps: int = 2
@@ -146,6 +147,10 @@ class _RankState:
         if not isinstance(engine, PipelineEngine):
             name = type(engine).__name__
             self.write_marker("engine", {"engine": name, "pipeline": False})
+            if self.settings.mode == MODE_WATCH:  # a watched job is never cut short: it runs unwatched
+                print(f"autotune: the script built a {name}, not a PipelineEngine; autotune instruments "
+                      "pipeline-parallel jobs; this rank runs on without metrics", file=sys.stderr, flush=True)
+                return
             print(f"autotune: the script built a {name}, not a PipelineEngine; autotune tunes "
                   "pipeline-parallel jobs; this rank stops here", file=sys.stderr, flush=True)
             _flush_std()
@@ -167,6 +172,8 @@ class _RankState:
         self.probe = instrument(engine, csv_path=str(Path(s.trial_dir) / "metrics-rank{rank}.csv"),
                                 metrics_port=s.metrics_port, metrics_addr=s.metrics_addr, trial=s.trial,
                                 job=s.job, warmup_steps=s.warmup_steps)
+        if s.mode == MODE_WATCH:
+            return  # no step limit: the script's own loop decides when it ends
         measured = engine.train_batch  # the probe's timed train_batch
 
         def train_batch(*args: Any, **kwargs: Any) -> Any:
