@@ -63,6 +63,9 @@ class WorkloadOptions:
     metrics_port: int | None = option(None, "Base port of the rank endpoints (set from --rank-metrics-port).",
                                       lo=1, hi=65535, unit="port", cli=False)
     metrics_addr: str = option("127.0.0.1", "Bind address of the rank endpoints.", cli=False)
+    workers: str = option("warm", "Trial processes: warm (the ranks stay alive between trials, a fresh "
+                          "engine per trial; docs/warm-workers.md) or fresh (a new launch per trial).",
+                          group="workload")
     faults: str = option("", "Test hook: inject faults, KIND[@TRIAL],... (autotune/faults.py).",
                          flag="--fault", hidden=True, group="workload", show_default=False)
 

@@ -91,11 +91,14 @@ def tune(opts: RunOptions, display: ProgressDisplay | None = None, *,
                      f"budget {opts.budget}")
         display.note(f"space: {space.describe()}")
         exporter = _live_metrics(opts, display, study)
-        runner = job.runner(opts, base) if job else TrialRunner(wl, base)
+        runner = job.runner(opts, base) if job else TrialRunner(wl, base, note=display.note)
         tuner = Tuner(study=study, runner=runner, space=space, proposer=proposer,
                       baseline=baseline, display=display, budget=opts.budget,
                       trial_timeout=opts.trial_timeout, rules_fired=fired, exporter=exporter)
-        return tuner.run()
+        try:
+            return tuner.run()
+        finally:
+            getattr(runner, "close", lambda: None)()  # warm workers (autotune/workers.py) end with the run
     finally:
         if exporter is not None:
             exporter.close()

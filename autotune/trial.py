@@ -1,5 +1,6 @@
 """Running one trial of the built-in workload: write its ds_config and trial description,
-launch the ranks through DeepSpeed's launcher, hand the ending to autotune/judge.py."""
+launch the ranks through DeepSpeed's launcher (fresh) or hand the trial to warm workers
+that stay alive between trials (autotune/workers.py), hand the ending to autotune/judge.py."""
 
 from __future__ import annotations
 
@@ -9,11 +10,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 from autotune.dsconfig import DsConfig
-from autotune.faults import RANK_FAULTS
+from autotune.faults import CONTROLLER_FAULTS, RANK_FAULTS
 from autotune.judge import TrialOutcome, failed, judge
 from autotune.launcher import LaunchOutcome, LaunchSpec, TrialProcess
 from autotune.options import WorkloadOptions
 from autotune.space import TrialConfig
+from autotune.workers import WarmWorkers, fresh_reason
 from autotune.workload.trial_spec import SPEC_NAME, TrialSpec
 
 
@@ -21,10 +23,25 @@ class TrialRunner:
     """Runs trials of one workload; `on_start` receives the process (to record its group id)."""
 
     def __init__(self, workload: WorkloadOptions, base_config: DsConfig, *,
-                 launcher: list[str] | None = None) -> None:
+                 launcher: list[str] | None = None, note: Callable[[str], None] | None = None) -> None:
         self.workload = workload
         self.base_config = base_config
         self.launcher = launcher
+        self.warm: WarmWorkers | None = None
+        if workload.workers == "warm":
+            self.warm = WarmWorkers(workload.world_size, launcher=launcher, note=note)
+
+    def close(self) -> None:
+        """Stop the warm workers, if any (the end of a run)."""
+        if self.warm is not None:
+            self.warm.close()
+
+    def _fresh_because(self, fault: str | None, ds_config: dict) -> str | None:
+        """Why this trial runs in fresh processes although the study asks for warm workers."""
+        if fault in CONTROLLER_FAULTS:
+            return f"the injected fault {fault!r} is a launch fault: this trial runs in fresh processes"
+        why = fresh_reason(ds_config, self.workload.activation_checkpoint_interval)
+        return f"{why}: every trial runs in fresh processes" if why else None
 
     def ds_config_for(self, config: TrialConfig) -> dict:
         return self.base_config.with_trial(
@@ -57,6 +74,15 @@ class TrialRunner:
             spec.launcher = [str(trial_dir / "no-such-launcher")]
         elif fault == "noscript":
             spec.script = trial_dir / "no-such-train.py"
+        if self.warm is not None:
+            ds_config = json.loads(ds_path.read_text(encoding="utf-8"))
+            why = self._fresh_because(fault, ds_config)
+            if why is None:
+                outcome = self.warm.run(trial_dir / SPEC_NAME, trial_dir, ds_config, timeout, on_start)
+                return judge(outcome, trial_dir, timeout) if outcome.launch_error is None else \
+                    failed("launcher_missing", outcome.launch_error, 0.0)
+            self.warm.say_once(f"      warm workers: {why}")
+            self.warm.close()  # a fresh trial's processes and a pool's do not share the cores
         if not spec.script.is_file():
             detail = f"training script {spec.script} not found; reinstall autotune"
             spec.log_path.write_text(detail + "\n", encoding="utf-8")

@@ -41,6 +41,8 @@ def validate(opts: RunOptions, *, built_in: bool = True) -> None:
             raise UserError(f"--partition-method {pm!r}: bad regular expression ({exc})") from None
         if not pm[5:] or not pm.isprintable():
             raise UserError(f"--partition-method {pm!r}: type: needs a printable layer-name pattern")
+    if wl.workers not in ("warm", "fresh"):
+        raise UserError(f"--workers {wl.workers!r}: use warm or fresh")
     if not _JOB.match(wl.job):
         raise UserError(f"job name {wl.job!r}: use 1-64 letters, digits, '_', '.', ':' or '-'")
     if not str(opts.study).strip():

@@ -3,15 +3,22 @@
 Launched by DeepSpeed's launcher (`deepspeed --num_gpus N train.py ...`), one
 process per rank. Exit codes tell the controller what happened (see
 autotune.launcher.EXIT_*); the metrics CSV is the result.
+
+`setup_process` is what a rank does once (torch threads, the process group);
+`run_trial` is one trial (model, engine, steps). A fresh rank (this script) does
+both once; a warm worker (autotune/workload/worker.py) sets up once and runs
+`run_trial` for every trial, so both modes measure with the same code.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import sys
 import time
+from dataclasses import dataclass
 
 from autotune.workload.trial_spec import TrialSpec
 
@@ -33,13 +40,38 @@ def parse_args(argv: list[str] | None = None) -> TrialSpec:
 
 def main(argv: list[str] | None = None) -> int:
     spec = parse_args(argv)
-    wl = spec.workload
     if spec.fault == "nometrics":  # testing seam: every rank exits 0 at once, no metrics written
         return 0
+    setup_process(spec.workload.threads)
+    return run_trial(spec).exit_code
+
+
+def setup_process(threads: int) -> None:
+    """Once per rank process: torch's threads and DeepSpeed's process group."""
     import torch
 
-    torch.set_num_threads(wl.threads)
+    torch.set_num_threads(threads)
     import deepspeed
+
+    deepspeed.init_distributed()
+
+
+@dataclass(kw_only=True, slots=True)
+class TrialRun:
+    """How one trial ended on this rank."""
+
+    exit_code: int
+    losses: list[float]
+    """The loss of every step (0.0 on ranks that do not compute it)."""
+
+
+def run_trial(spec: TrialSpec, *, release: bool = False) -> TrialRun:
+    """One trial on this rank: a fresh model and engine from `spec`, warm-up and measured steps.
+
+    `release=True` (a warm worker): the engine, the model and the optimizer state are let go
+    afterwards, so the next trial starts from the memory this one started from."""
+    import deepspeed
+    import torch
 
     from autotune.faults import inject_rank_fault
     from autotune.instrument import instrument
@@ -48,9 +80,12 @@ def main(argv: list[str] | None = None) -> int:
     from autotune.workload.presets import get_preset
     from autotune.workload.slowdown import stretch_compute
 
+    wl = spec.workload
+    losses: list[float] = []
+    if spec.fault == "nometrics":  # testing seam: no step, no metrics
+        return TrialRun(exit_code=0, losses=losses)
     preset = get_preset(wl.preset)
-    deepspeed.init_distributed()
-    torch.manual_seed(wl.seed)
+    torch.manual_seed(wl.seed)  # the same seed in every trial, warm or fresh: the same model and data
     module = build_pipeline_module(
         preset, stages=wl.pipeline_stages, partition_method=wl.partition_method,
         activation_checkpoint_interval=wl.activation_checkpoint_interval, seed=wl.seed,
@@ -61,18 +96,40 @@ def main(argv: list[str] | None = None) -> int:
         model=module, model_parameters=[p for p in module.parameters() if p.requires_grad],
         config=ds_config,
     )
-    rank = engine.global_rank
-    if wl.slow_stage is not None and engine.stage_id == wl.slow_stage:
-        stretch_compute(engine, wl.slow_factor, wl.slow_every)  # before instrument(): the probe times it
-    probe = instrument(engine, csv_path=spec.metrics_csv, metrics_port=wl.metrics_port,
-                       metrics_addr=wl.metrics_addr, trial=spec.trial, job=wl.job,
-                       warmup_steps=wl.warmup_steps, seq_length=preset.seq_length)
-    tokens = (load_token_file(wl.tokens, preset.vocab_size) if wl.tokens
-              else synthetic_tokens(preset.vocab_size, 200_000, seed=wl.seed))
-    dp_rank = engine.grid.get_data_parallel_rank()
-    data = batches(tokens, micro_batch=engine.train_micro_batch_size_per_gpu(),
-                   seq=preset.seq_length, seed=wl.seed + dp_rank)
+    probe, closed = None, False
+    try:
+        rank = engine.global_rank
+        if wl.slow_stage is not None and engine.stage_id == wl.slow_stage:
+            stretch_compute(engine, wl.slow_factor, wl.slow_every)  # before instrument(): the probe times it
+        probe = instrument(engine, csv_path=spec.metrics_csv, metrics_port=wl.metrics_port,
+                           metrics_addr=wl.metrics_addr, trial=spec.trial, job=wl.job,
+                           warmup_steps=wl.warmup_steps, seq_length=preset.seq_length)
+        tokens = (load_token_file(wl.tokens, preset.vocab_size) if wl.tokens
+                  else synthetic_tokens(preset.vocab_size, 200_000, seed=wl.seed))
+        dp_rank = engine.grid.get_data_parallel_rank()
+        data = batches(tokens, micro_batch=engine.train_micro_batch_size_per_gpu(),
+                       seq=preset.seq_length, seed=wl.seed + dp_rank)
+        code = _train(spec, engine, data, rank, losses, inject_rank_fault)
+        if code == 0:
+            probe.close_sinks()
+            closed = True
+        return TrialRun(exit_code=code, losses=losses)
+    finally:
+        if release:
+            if probe is not None:
+                if not closed:  # a failed trial's endpoint goes too
+                    probe.close_sinks()
+                probe.uninstall()
+            engine.destroy()
+            del engine, module, probe
+            release_memory()
 
+
+def _train(spec: TrialSpec, engine, data, rank: int, losses: list[float], inject_rank_fault) -> int:
+    """The trial's steps; 0, or the exit code of the way it failed."""
+    import torch
+
+    wl = spec.workload
     total = wl.warmup_steps + wl.steps
     collapsed_steps, skipped = 0, getattr(engine, "skipped_steps", 0)
     for step in range(total):
@@ -101,12 +158,28 @@ def main(argv: list[str] | None = None) -> int:
                   f"and the gradients overflowed {collapsed_steps} steps in a row", file=sys.stderr, flush=True)
             return EXIT_LOSS_SCALE
         value = float(loss.mean().item()) if loss is not None else 0.0
+        losses.append(value)
         if not math.isfinite(value):
             print(f"autotune: non-finite loss {value} at step {step} on rank {rank}",
                   file=sys.stderr, flush=True)
             return EXIT_NONFINITE_LOSS
-    probe.close_sinks()
     return 0
+
+
+def release_memory() -> None:
+    """Give freed memory back: Python's cycles, the CUDA cache, glibc's free lists."""
+    gc.collect()
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+    try:  # glibc keeps freed blocks in its arenas; RSS would not show the release otherwise
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _loss_scale(engine) -> tuple[float | None, float | None]:
