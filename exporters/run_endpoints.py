@@ -74,7 +74,7 @@ class RunEndpoints:
 
 
 def start_run_endpoints(*, job: str, addr: str, controller_port: int | None, rank_port: int | None,
-                        world_size: int, folder: Path, trial_dir: Callable[[int], Path] | None = None,
+                        world_size: int | None, folder: Path, trial_dir: Callable[[int], Path] | None = None,
                         note: Callable[[str], None] = print, controller: Any | None = None) -> RunEndpoints:
     """Serve the controller (ControllerExporter unless `controller` is given: any collector with
     `serve(addr=, port=)` and `endpoint`), start the targets file in `folder`, say where all is."""
@@ -90,8 +90,10 @@ def start_run_endpoints(*, job: str, addr: str, controller_port: int | None, ran
     path = Path(folder) / TARGETS_FILE
     targets = LiveTargets(path, fixed)
     if rank_port is not None:
-        last = rank_port + world_size - 1
-        span = f"{rank_port}..{last}" if world_size > 1 else str(rank_port)
+        if world_size is None:  # not known before the job starts (autotune watch)
+            span = f"{rank_port} + local rank"
+        else:
+            span = f"{rank_port}..{rank_port + world_size - 1}" if world_size > 1 else str(rank_port)
         note(f"rank metrics: http://{addr}:{span}/metrics while the ranks run (a taken port falls back; "
              f"the ports each rank bound are listed in {path})")
     note("Prometheus: scrape them all through the targets file, e.g. in prometheus.yml:\n"

@@ -44,14 +44,17 @@ class CommandProcess(TrialProcess):
     `--no_local_rank`, and a user's script may need `--local_rank`.
     """
 
-    def __init__(self, spec: LaunchSpec, command: UserCommand, ds_config: Path, cwd: Path) -> None:
+    def __init__(self, spec: LaunchSpec, command: UserCommand, ds_config: Path, cwd: Path, *,
+                 master_port: int | None = None) -> None:
         super().__init__(spec)
         self.command, self.ds_config, self.cwd = command, ds_config, cwd
+        self.own_port = master_port
+        """The job's own --master_port (`autotune watch` keeps it); None: a free port."""
 
     def start(self) -> str | None:
         env = {**os.environ, **accelerator_env(), **self.spec.env}
         self.spec.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self.master_port = free_port()
+        self.master_port = self.own_port or free_port()
         argv = self.command.argv_for(self.ds_config, self.master_port)
         log = open(self.spec.log_path, "wb")
         try:
