@@ -18,9 +18,11 @@ import click
 from autotune.advisor import evaluate, load_rules, patch_config
 from autotune.advisor.findings import FIRED, Change, Evidence, Finding
 from autotune.advisor.render import print_table, to_json
+from autotune.advisor.signals import SignalSet
 from autotune.dsconfig import DsConfig, load_ds_config
 from autotune.errors import UserError
 from autotune.fileio import write_atomic
+from autotune.loaders.detect import NVIDIA_SMI
 from autotune.precision import requested_precisions
 
 
@@ -43,9 +45,13 @@ _RULES = click.option("--rules", "rule_files", multiple=True, type=click.Path(di
 
 
 @click.command("advise")
-@click.argument("metrics", type=click.Path(dir_okay=False))
+@click.argument("metrics", nargs=-1, required=True)
 @click.option("--config", "config_path", type=click.Path(dir_okay=False),
               help="The ds_config.json the metrics were measured with (enables config rules).")
+@click.option("--stages", type=click.IntRange(min=1),
+              help="Pipeline stages of the job a device log (nvidia-smi) comes from: devices map to "
+                   "stages in index order (one rank per device, stage = rank // dp), so the "
+                   "bottleneck device's stage is named. A metrics CSV records its stages itself.")
 @_FORMAT
 @click.option("--write-config", "write_path", type=click.Path(dir_okay=False),
               help="Write the config with the proposed changes applied (needs --config).")
@@ -53,10 +59,15 @@ _RULES = click.option("--rules", "rule_files", multiple=True, type=click.Path(di
               help="Also write an HTML page (figures beside it in OUT-stem_figures/); needs autotune[report].")
 @_RULES
 @_user_errors
-def advise_command(metrics: str, config_path: str | None, fmt: str, write_path: str | None,
-                   html_path: str | None, rule_files: tuple[str, ...]) -> None:
-    """Recommendations from METRICS: an autotune metrics CSV, nvidia-smi CSV or Prometheus export."""
-    from autotune.loaders import load_input
+def advise_command(metrics: tuple[str, ...], config_path: str | None, stages: int | None, fmt: str,
+                   write_path: str | None, html_path: str | None, rule_files: tuple[str, ...]) -> None:
+    """Recommendations from METRICS: autotune metrics CSVs, an nvidia-smi CSV or a Prometheus export.
+
+    METRICS is one or more files, quoted globs ('run/metrics-rank*.csv') or folders: a study's
+    trial folder or the folder instrument() wrote into (its metrics-rank*.csv are one job,
+    merged so imbalance across ranks shows), or a whole study folder (one subject per trial).
+    """
+    from autotune.loaders import load_inputs
 
     if write_path and not config_path:
         raise UserError("--write-config needs --config (the ds_config.json to patch)")
@@ -65,25 +76,37 @@ def advise_command(metrics: str, config_path: str | None, fmt: str, write_path: 
     if html_path:  # before anything is written: matplotlib there, OUT not one of the inputs
         from autotune.report_html import check_html_target
 
-        check_html_target(html_path, [p for p in (metrics, config_path, write_path) if p])
+        check_html_target(html_path, [p for p in (*metrics, config_path, write_path) if p])
     rules = load_rules(rule_files)
-    loaded = load_input(metrics)
+    loaded = load_inputs(metrics, stages=stages)
+    if write_path and any(_same_file(write_path, str(p)) for p in loaded.sources):
+        raise UserError(f"--write-config {write_path} would overwrite an input; choose a new file")
+    notes = list(loaded.notes)
+    if stages is not None and loaded.format != NVIDIA_SMI:
+        notes.append(f"--stages {stages} is for device logs; {loaded.format} input records its stages itself")
     cfg = load_ds_config(config_path) if config_path else None
-    ctx = {"config_name": Path(config_path).name} if config_path else None
+    ctx: dict[str, Any] = {"config_name": Path(config_path).name} if config_path else {}
+    if cfg is not None and stages is not None and loaded.format == NVIDIA_SMI:
+        devices = {len(s.per_rank.get("device_utilization_mean", [])) for s in loaded.subjects
+                   if isinstance(s, SignalSet)}
+        if len(devices) == 1:  # one rank per device: the batch layout the config means
+            ctx.update(stages=stages, world_size=devices.pop())
     findings = evaluate(loaded.subjects, ds_config=cfg, rules=rules, context=ctx)
     if write_path and cfg is not None:
         _write_json_atomic(Path(write_path), patch_config(cfg, findings))
     if html_path:
         from autotune.report_html import write_metrics_report
 
-        page = write_metrics_report(html_path, metrics, loaded, findings).page
+        page = write_metrics_report(html_path, loaded.sources, loaded, findings).page
+    shown = metrics[0] if len(metrics) == 1 else f"{metrics[0]} + {len(metrics) - 1} more"
     if fmt == "json":
-        click.echo(to_json(findings, input=metrics, format=loaded.format, notes=loaded.notes,
+        click.echo(to_json(findings, input=metrics[0] if len(metrics) == 1 else list(metrics),
+                           sources=[str(p) for p in loaded.sources], format=loaded.format, notes=notes,
                            written_config=write_path))
         if html_path:
             click.echo(f"wrote {page}", err=True)
     else:
-        print_table(findings, title=f"autotune advise: {metrics} ({loaded.format})", notes=loaded.notes)
+        print_table(findings, title=f"autotune advise: {shown} ({loaded.format})", notes=notes)
         if write_path:
             click.echo(f"\nwrote patched config to {write_path}")
         if html_path:

@@ -10,6 +10,7 @@ finding that says which signal is missing and why.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -18,7 +19,7 @@ from autotune.advisor.conditions import OPS, Compare
 from autotune.advisor.config_rules import config_facts
 from autotune.advisor.findings import FIRED, INSUFFICIENT, Change, Evidence, Finding, rank_findings
 from autotune.advisor.rulebook import Rule, load_rules
-from autotune.advisor.signals import SignalSet, from_summary
+from autotune.advisor.signals import LAYOUT_SIGNALS, SignalSet, from_summary
 from autotune.advisor.targets import resolve
 from autotune.dsconfig import DsConfig
 from autotune.summary import TrialSummary, ideal_bubble_fraction
@@ -90,8 +91,10 @@ def _with_config(s: SignalSet, cfg: SignalSet | None) -> SignalSet:
     if cfg is None:
         return s
     extra = {k: v for k, v in cfg.values.items() if k.startswith("config.")}
-    return SignalSet(subject=s.subject, kind=s.kind, trial=s.trial, values={**s.values, **extra},
-                     per_rank=s.per_rank, unavailable=s.unavailable, details={**cfg.details, **s.details})
+    # A device log knows no batch layout: the config's (with --stages) gives the moves their numbers.
+    extra.update({k: cfg.values[k] for k in LAYOUT_SIGNALS
+                  if s.values.get(k) is None and cfg.values.get(k) is not None})
+    return dataclasses.replace(s, values={**s.values, **extra}, details={**cfg.details, **s.details})
 
 
 def _apply(rule: Rule, s: SignalSet, raw: dict | None, ctx: AdviceContext) -> list[Finding]:
@@ -102,6 +105,8 @@ def _apply(rule: Rule, s: SignalSet, raw: dict | None, ctx: AdviceContext) -> li
         return []
     if None in verdicts:
         missing = {sig: s.why_missing(sig) for sig in rule.signals() if s.get(sig) is None}
+        if missing and set(missing) <= s.not_needed:
+            return []  # the input answers this through another rule (see SignalSet.not_needed)
         return [_insufficient(rule, s.subject, s.trial, missing)]
     changes = [c for m in rule.moves
                if m.when is None or m.when.evaluate(s.values) is True

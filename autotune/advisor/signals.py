@@ -20,7 +20,8 @@ METRIC_SIGNALS: frozenset[str] = frozenset({
     "bubble_fraction_measured", "bubble_fraction_ideal", "bubble_fraction_excess",
     "stage_compute_imbalance", "step_time_jitter", "samples_per_second",
     "memory_fragmentation_ratio", "memory_peak_bytes", "memory_used_ratio", "oom",
-    "host_bound_fraction",
+    "host_bound_fraction", "device_utilization_lead", "device_utilization_lead_points",
+    "device_utilization_lead_share",
 })
 # The batch layout: known from a trial's metrics or from a ds_config plus --stages/--world-size.
 LAYOUT_SIGNALS: frozenset[str] = frozenset({
@@ -70,6 +71,14 @@ class SignalSet:
     """Signal -> why it is missing (printed in "insufficient data" findings)."""
     details: dict[str, str] = field(default_factory=dict)
     """Signal -> extra evidence text (e.g. which config keys)."""
+    partition_method: str | None = None
+    """The PipelineModule partition method the run used, where the input says so (a study's
+    trial.json); the bottleneck advice proposes the other built-in method."""
+    not_needed: frozenset[str] = frozenset()
+    """Signals this input answers through another rule: a rule lacking only these yields no
+    finding at all, not "insufficient data" (the device lead, where stages are timed)."""
+    sources: tuple[str, ...] = ()
+    """The files this subject was read from (the advice looks for per-layer cost files beside them)."""
 
     def get(self, name: str) -> float | None:
         return self.values.get(name)
@@ -104,8 +113,9 @@ def _f(v: int | float | None) -> float | None:
 
 
 def from_summary(s: TrialSummary, *, oom: bool | None = None,
-                 device_memory_bytes: float | None = None) -> SignalSet:
-    """A trial summary as signals. `oom` is the trial outcome when the caller knows it."""
+                 device_memory_bytes: float | None = None, subject: str | None = None) -> SignalSet:
+    """A trial summary as signals. `oom` is the trial outcome when the caller knows it;
+    `subject` names it (default "trial N"; `advise` names a run outside a study by its files)."""
     values: dict[str, float | None] = {
         "device_utilization_fluctuation": s.device_utilization_fluctuation,
         "cross_device_fluctuation": s.cross_device_fluctuation,
@@ -137,7 +147,10 @@ def from_summary(s: TrialSummary, *, oom: bool | None = None,
         "bubble_fraction_measured": [RankValue(r.bubble_fraction, r.rank, r.stage) for r in s.ranks],
         "bubble_fraction_excess": [RankValue(r.bubble_fraction - s.bubble_fraction_ideal, r.rank, r.stage)
                                    for r in s.ranks],
-        "stage_compute_imbalance": [RankValue(s.stage_compute_imbalance, None, s.slowest_stage)],
+        # The bottleneck stage and every rank on it (the evidence names them).
+        "stage_compute_imbalance": [RankValue(s.stage_compute_imbalance, r.rank, r.stage)
+                                    for r in s.ranks if r.stage == s.slowest_stage]
+        or [RankValue(s.stage_compute_imbalance, None, s.slowest_stage)],
         "host_bound_fraction": [RankValue(r.host_bound_fraction, r.rank, r.stage) for r in s.ranks
                                 if r.host_bound_fraction is not None],
     }
@@ -153,7 +166,29 @@ def from_summary(s: TrialSummary, *, oom: bool | None = None,
         "transfer_compute_ratio": "no compute time recorded",
         "reduce_bucket_size": "not set, or has no effect in this run",
     }
-    details = {"stage_compute_imbalance": "per-stage compute s: "
-               + ", ".join(f"{c:.3g}" for c in s.stage_compute_seconds)}
-    return SignalSet(subject=f"trial {s.trial}", kind="metrics", trial=s.trial, values=values,
-                     per_rank=per_rank, unavailable=unavailable, details=details)
+    details = {"stage_compute_imbalance": stage_share_text(s)}
+    return SignalSet(subject=subject or f"trial {s.trial}", kind="metrics",
+                     trial=s.trial if s.trial >= 0 else None, values=values,
+                     per_rank=per_rank, unavailable=unavailable, details=details,
+                     not_needed=frozenset(LEAD_SIGNALS))
+
+
+LEAD_SIGNALS = ("device_utilization_lead", "device_utilization_lead_points", "device_utilization_lead_share")
+"""Utilization lead of the busiest device: the bottleneck seen from inputs without per-stage
+timing (an nvidia-smi log). A metrics CSV times each stage (stage-imbalance reads that)."""
+
+
+def stage_share_text(s: TrialSummary) -> str:
+    """The bottleneck stage's share of the step: vs. the step and vs. the mean stage, with its ranks."""
+    comp = s.stage_compute_seconds
+    if not comp:
+        return ""
+    mean = sum(comp) / len(comp)
+    stage_ids = sorted({r.stage for r in s.ranks}) or list(range(len(comp)))
+    worst = comp[stage_ids.index(s.slowest_stage)] if s.slowest_stage in stage_ids else max(comp)
+    ranks = sorted(r.rank for r in s.ranks if r.stage == s.slowest_stage)
+    on = f" (ranks {','.join(map(str, ranks))})" if ranks else ""
+    share = f", {worst / s.step_seconds:.0%} of the {s.step_seconds:.3g} s step" if s.step_seconds > 0 else ""
+    return (f"bottleneck stage {s.slowest_stage}{on}: {worst:.3g} s forward+backward per step{share}, "
+            f"{s.stage_compute_imbalance:.2f}x the mean stage ({mean:.3g} s); per-stage compute s: "
+            + ", ".join(f"{c:.3g}" for c in comp))

@@ -19,6 +19,8 @@ DEFAULT_BUBBLE_TARGET = 0.2
 BYTE_LIKE_UNIT = 1 << 20
 """A bucket size that is an exact multiple of 1 MiB was almost surely written as bytes."""
 BUCKET_KEYS = ("reduce_bucket_size", "allgather_bucket_size")
+BOTTLENECK_COMPUTES = frozenset({"other_partition_method", "rebalance_stage", "measured_parts"})
+"""Advice on an unbalanced pipeline (autotune/advisor/bottleneck.py)."""
 
 
 def gas_for_bubble(stages: int, target: float) -> int:
@@ -53,7 +55,7 @@ def resolve(move: Move, s: SignalSet, raw: dict[str, Any] | None, cpu_count: int
         return _trial(move, s)
     if move.kind == "config":
         return _config(move, raw)
-    return _advice(move, cpu_count)
+    return _advice(move, s, raw, cpu_count)
 
 
 def _trial(move: Move, s: SignalSet) -> Change | None:
@@ -69,7 +71,7 @@ def _trial(move: Move, s: SignalSet) -> Change | None:
             new = math.ceil(gas / p) * p
         cur = gas
     elif cur is None:
-        return None
+        return _relative(move)
     elif move.compute == "one_bucket":
         # One bucket holds every gradient: the fewest reduction calls. Known only where
         # the model's size is (autotune run); advise falls back to the rule's advice.
@@ -85,6 +87,16 @@ def _trial(move: Move, s: SignalSet) -> Change | None:
     if new == cur:
         return None
     return Change(kind="trial", target=move.target, current=int(cur), new=int(new), note=move.note)
+
+
+def _relative(move: Move) -> Change | None:
+    """A scale move on a subject that does not know the current value (a device log without
+    --config): said as a factor, an advice the config patch leaves alone."""
+    if move.scale is None:
+        return None
+    factor = f"{move.scale:g}x" if move.scale >= 1 else f"1/{1 / move.scale:g}"
+    note = "; ".join(x for x in (move.note, "the current value is not in this input: pass --config") if x)
+    return Change(kind="advice", target=move.target, current=None, new=f"{factor} the current value", note=note)
 
 
 def _config(move: Move, raw: dict[str, Any] | None) -> Change | None:
@@ -114,7 +126,11 @@ def _config(move: Move, raw: dict[str, Any] | None) -> Change | None:
                   new=move.value, note=move.note)
 
 
-def _advice(move: Move, cpu_count: int | None) -> Change:
+def _advice(move: Move, s: SignalSet, raw: dict[str, Any] | None, cpu_count: int | None) -> Change | None:
+    if move.compute in BOTTLENECK_COMPUTES:
+        from autotune.advisor.bottleneck import bottleneck_change
+
+        return bottleneck_change(move, s, raw)
     if move.compute == "loader_workers":
         cores = cpu_count or os.cpu_count() or 1
         n = loader_workers(cores)

@@ -1,17 +1,24 @@
 """Input loaders for `autotune advise`: the format is detected from the header.
 
-Each loader returns subjects the rule engine understands: TrialSummaries for
-our metrics CSV, SignalSets for device logs and Prometheus exports (which
-carry fewer signals; the missing ones are reported, not invented).
+Each loader returns subjects the rule engine understands: named SignalSets (our
+metrics CSV through its TrialSummaries, which are kept for the HTML page; device
+logs and Prometheus exports carry fewer signals, and the missing ones are
+reported, not invented). `autotune.loaders.inputs` turns files, globs and folders
+into jobs; each trial of a job is one subject.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from autotune.advisor.signals import SignalSet
+import numpy as np
+
+from autotune.advisor.signals import SignalSet, from_summary
+from autotune.errors import InputFileError
 from autotune.loaders.detect import METRICS, NVIDIA_SMI, PROMETHEUS, detect_format
+from autotune.loaders.inputs import InputGroup, resolve_inputs
 from autotune.summary import TrialSummary
 
 
@@ -19,22 +26,114 @@ from autotune.summary import TrialSummary
 class LoadedInput:
     format: str
     subjects: list[TrialSummary | SignalSet]
+    """What the rule engine evaluates, one per trial of each job (or per device log)."""
     notes: list[str] = field(default_factory=list)
     """Things the user should know about this input (e.g. which signals it cannot carry)."""
+    summaries: list[TrialSummary] = field(default_factory=list)
+    """Our metrics CSV's trial summaries (the HTML page's headline figures)."""
+    groups: list[InputGroup] = field(default_factory=list)
+    """The jobs the inputs were grouped into (files, their name)."""
+
+    @property
+    def sources(self) -> list[Path]:
+        return [p for g in self.groups for p in g.paths]
 
 
 def load_input(path: str | Path) -> LoadedInput:
-    fmt = detect_format(path)
+    """One file (kept for callers that have one)."""
+    return load_inputs([str(path)])
+
+
+def load_inputs(args: Sequence[str], *, stages: int | None = None) -> LoadedInput:
+    """Files, globs and folders as one input of one format; `stages` maps a device log's devices."""
+    groups = resolve_inputs(args)
+    fmt = groups[0].format
     if fmt == METRICS:
-        from autotune.loaders.metrics import load_summaries
-        return LoadedInput(format=fmt, subjects=list(load_summaries(path)))
+        groups, notes = _split_overlapping(groups)
+        subjects, summaries = [], []
+        for g in groups:
+            for s in _summaries(g):
+                summaries.append(s)
+                subjects.append(replace(from_summary(s, subject=_subject_name(g, s.trial)),
+                                        partition_method=g.partition_method,
+                                        sources=tuple(str(p) for p in g.paths)))
+        return LoadedInput(format=fmt, subjects=_unique(subjects, groups), notes=notes,
+                           summaries=summaries, groups=groups)
     if fmt == NVIDIA_SMI:
         from autotune.loaders.nvidia_smi import NOTE, load_nvidia_smi
-        return LoadedInput(format=fmt, subjects=[load_nvidia_smi(path)], notes=[NOTE])
+
+        sets = [replace(load_nvidia_smi(g.paths[0], stages=stages), sources=(str(g.paths[0]),)) for g in groups]
+        return LoadedInput(format=fmt, subjects=list(sets), notes=[NOTE], groups=groups)
     assert fmt == PROMETHEUS
     from autotune.loaders.prometheus import NOTE as PROM_NOTE
     from autotune.loaders.prometheus import load_prometheus
-    return LoadedInput(format=fmt, subjects=list(load_prometheus(path)), notes=[PROM_NOTE])
+
+    subjects = []
+    for g in groups:
+        for s in load_prometheus(g.paths[0]):
+            subjects.append(replace(s, subject=f"{s.subject} ({g.name})") if len(groups) > 1 else s)
+    return LoadedInput(format=fmt, subjects=subjects, notes=[PROM_NOTE], groups=groups)
 
 
-__all__ = ["LoadedInput", "detect_format", "load_input"]
+def _summaries(g: InputGroup) -> list[TrialSummary]:
+    from autotune.loaders.metrics import read_trial_columns
+    from autotune.summary import summarize_columns
+
+    source = str(g.paths[0]) if len(g.paths) == 1 else g.name
+    out = summarize_columns(read_trial_columns(list(g.paths)), source=source)
+    if not out:
+        raise InputFileError(f"{source}: no measured (non-warm-up) step in the file"
+                             + ("s" if len(g.paths) > 1 else ""))
+    return out
+
+
+def _split_overlapping(groups: list[InputGroup]) -> tuple[list[InputGroup], list[str]]:
+    """A folder's files that hold the same rank of the same trial are not one job's: split them."""
+    from autotune.loaders.metrics import read_columns
+
+    out, notes = [], []
+    for g in groups:
+        if len(g.paths) == 1:
+            out.append(g)
+            continue
+        keys = []
+        for p in g.paths:
+            c = read_columns(p)
+            keys.append(set(zip(c["trial"].astype(np.int64).tolist(), c["rank"].astype(np.int64).tolist(),
+                                strict=True)))
+        clash = next(((a, b) for i, a in enumerate(keys) for b in keys[i + 1:] if a & b), None)
+        if clash is None:
+            out.append(g)
+            continue
+        i, j = keys.index(clash[0]), keys.index(clash[1])
+        trial, rank = sorted(clash[0] & clash[1])[0]
+        notes.append(f"{g.paths[i].name} and {g.paths[j].name} both hold rank {rank}"
+                     f"{'' if trial < 0 else f' of trial {trial}'}: not one job's per-rank files, "
+                     "so each file of that folder is advised on its own")
+        out.extend(replace(g, name=p.name, paths=(p,)) for p in g.paths)
+    return out, notes
+
+
+def _subject_name(g: InputGroup, trial: int) -> str:
+    """A study's trial is "trial N"; a run outside a study (trial -1) is named by its files."""
+    if trial >= 0 and trial == g.study_trial:
+        return f"trial {trial}"
+    if trial < 0:
+        return g.name
+    return f"trial {trial} ({g.name})"
+
+
+def _unique(subjects: list[SignalSet], groups: list[InputGroup]) -> list[TrialSummary | SignalSet]:
+    """Subjects of different jobs that would read the same ("trial 3" of two studies) name their folder."""
+    names = [s.subject for s in subjects]
+    out: list[TrialSummary | SignalSet] = []
+    by_source = {p: g for g in groups for p in g.paths}
+    for s, subj in zip(subjects, names, strict=True):
+        g = next((by_source[Path(p)] for p in s.sources if Path(p) in by_source), None)
+        if names.count(subj) > 1 and g is not None:
+            subj = f"{subj} ({g.paths[0].parent})"
+        out.append(replace(s, subject=subj))
+    return out
+
+
+__all__ = ["LoadedInput", "detect_format", "load_input", "load_inputs"]

@@ -17,9 +17,11 @@ from pathlib import Path
 from autotune.advisor.signals import ALL_SIGNALS, RankValue, SignalSet
 from autotune.errors import InputFileError
 from autotune.loaders.detect import read_rows
+from autotune.loaders.device_lead import add_device_lead
 
-NOTE = ("nvidia-smi input: only utilization (fluctuation) and memory signals exist; "
-        "communication, bubble, imbalance, jitter and fragmentation rules report insufficient data")
+NOTE = ("nvidia-smi input: only utilization (fluctuation, and which device stays busier than the "
+        "others: a pipeline's bottleneck stage) and memory signals exist; communication, bubble, "
+        "stage-compute, jitter and fragmentation rules report insufficient data")
 UNIT_BYTES = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40,
               "KB": 10**3, "MB": 10**6, "GB": 10**9}
 MISSING_VALUES = {"[N/A]", "N/A", "[Not Supported]", "[Unknown Error]", ""}
@@ -37,9 +39,13 @@ def _split(cell: str) -> tuple[str, str]:
     return cell, ""
 
 
-def load_nvidia_smi(path: str | Path) -> SignalSet:
+def load_nvidia_smi(path: str | Path, *, stages: int | None = None) -> SignalSet:
+    """The log's signals; with `stages`, devices map to pipeline stages in index order."""
     p = Path(path)
-    return _signals(p, *_read(p))
+    util, used_ratio, used_bytes, names = _read(p)
+    out = _signals(p, util, used_ratio, used_bytes)
+    add_device_lead(out, util, names, stages=stages, source=p.name)
+    return out
 
 
 def utilization_series(path: str | Path) -> dict[str, list[float]]:
@@ -47,7 +53,7 @@ def utilization_series(path: str | Path) -> dict[str, list[float]]:
     return dict(_read(Path(path))[0])
 
 
-def _read(p: Path) -> tuple[dict[str, list[float]], list[tuple[str, float]], list[float]]:
+def _read(p: Path) -> tuple[dict[str, list[float]], list[tuple[str, float]], list[float], dict[str, str]]:
     rows = read_rows(p, "nvidia-smi")
     header = [_split(h) for h in rows[0]]
     names = [n for n, _ in header]
@@ -56,6 +62,7 @@ def _read(p: Path) -> tuple[dict[str, list[float]], list[tuple[str, float]], lis
             raise InputFileError(f"{p}: nvidia-smi CSV without a {need} column; query index,utilization.gpu")
     col = {n: i for i, n in enumerate(names)}
     util: dict[str, list[float]] = defaultdict(list)
+    names_of: dict[str, str] = {}
     used_ratio: list[tuple[str, float]] = []
     used_bytes: list[float] = []
     for line, row in enumerate(rows[1:], start=2):
@@ -66,6 +73,9 @@ def _read(p: Path) -> tuple[dict[str, list[float]], list[tuple[str, float]], lis
         if len(row) != len(header):
             raise InputFileError(f"{p}: line {line}: {len(row)} cells, header has {len(header)}")
         gpu = row[col["index"]].strip()
+        ident = [row[col[k]].strip() for k in ("name", "pci.bus_id") if k in col and row[col[k]].strip()]
+        if ident:
+            names_of.setdefault(gpu, ", ".join(ident))
         u = _value(p, line, row[col["utilization.gpu"]], header[col["utilization.gpu"]][1], percent=True)
         if u is not None:
             util[gpu].append(u / 100.0)
@@ -78,7 +88,7 @@ def _read(p: Path) -> tuple[dict[str, list[float]], list[tuple[str, float]], lis
                     used_ratio.append((gpu, used / total))
     if not util:
         raise InputFileError(f"{p}: no utilization samples in the nvidia-smi CSV")
-    return util, used_ratio, used_bytes
+    return util, used_ratio, used_bytes, names_of
 
 
 def _value(p: Path, line: int, cell: str, header_unit: str, percent: bool = False) -> float | None:

@@ -75,15 +75,20 @@ def check_html_target(out: str | Path, inputs: Sequence[str | Path]) -> None:
         raise UserError(f"--html {out}: {figs} exists and is not a folder (the figures go there)")
 
 
-def write_metrics_report(out: str | Path, metrics: str | Path, loaded: Any, findings: Sequence[Any]) -> Written:
-    """`advise --html OUT`: OUT and its figures in `OUT-stem_figures/` beside it."""
+def write_metrics_report(out: str | Path, metrics: str | Path | Sequence[str | Path], loaded: Any,
+                         findings: Sequence[Any]) -> Written:
+    """`advise --html OUT`: OUT and its figures in `OUT-stem_figures/` beside it.
+    `metrics`: the input file, or every file of a multi-file `advise` (`loaded.groups` says the jobs)."""
     out = Path(out)
-    check_html_target(out, [metrics])
+    inputs = [metrics] if isinstance(metrics, (str, Path)) else list(metrics)
+    check_html_target(out, inputs)
     from autotune.report_html.figures import metrics_figures
     from autotune.report_html.gather import gather_metrics
     from autotune.report_html.page import render_metrics
 
-    data = gather_metrics(metrics, list(findings), loaded.format, loaded.notes, loaded.subjects)
+    subjects = [*getattr(loaded, "summaries", []), *loaded.subjects]
+    data = gather_metrics(inputs[0], list(findings), loaded.format, loaded.notes, subjects,
+                          groups=getattr(loaded, "groups", None))
     figs = metrics_figures(data.steps, data.device_utilization)
     fig_dir = f"{out.stem}_figures"
     return _write(out, out.parent / fig_dir, fig_dir, lambda href: render_metrics(data, figs, href), figs)

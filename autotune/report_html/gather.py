@@ -126,7 +126,7 @@ class StudyReport:
 
 @dataclass(kw_only=True, slots=True)
 class MetricsReport:
-    """`advise --html`: one metrics file."""
+    """`advise --html`: the files `advise` read (one, or several jobs)."""
 
     source: Path
     format: str
@@ -138,6 +138,8 @@ class MetricsReport:
     missing: list[str] = field(default_factory=list)
     device_utilization: dict[str, list[float]] = field(default_factory=dict)
     """An nvidia-smi log's per-GPU utilization samples (0-1), in file order."""
+    label: str = ""
+    """The name of several inputs ("FIRST + N more"); empty for one file (its name is used)."""
 
 
 # -- opening a study read-only -------------------------------------------------------
@@ -383,19 +385,25 @@ def _config_diff(study: Study, baseline: TrialRow | None, best: TrialRow) -> tup
 
 # -- a metrics file (advise --html) ----------------------------------------------------
 def gather_metrics(path: str | Path, findings: list[Any], fmt: str, notes: list[str],
-                   subjects: list[Any]) -> MetricsReport:
-    """The page's data for a file `advise` already loaded and evaluated."""
+                   subjects: list[Any], groups: list[Any] | None = None) -> MetricsReport:
+    """The page's data for input `advise` already loaded and evaluated: the file `path`, or the
+    jobs of a multi-file `advise` (`groups`: `autotune.loaders.inputs.InputGroup`s)."""
     from autotune.loaders.detect import METRICS, NVIDIA_SMI
 
     path = Path(path)
+    jobs = [(g.name, list(g.paths)) for g in groups] if groups else [(path.name, [path])]
+    files = [p for _, ps in jobs for p in ps]
     summaries = [s for s in subjects if isinstance(s, TrialSummary)]
     report = MetricsReport(source=path, format=fmt, summaries=summaries, steps={},
                            findings=[f for f in findings if f.fired],
-                           insufficient=[f for f in findings if not f.fired], notes=list(notes))
+                           insufficient=[f for f in findings if not f.fired], notes=list(notes),
+                           label="" if len(files) == 1 else f"{files[0].name} + {len(files) - 1} more")
     if fmt == NVIDIA_SMI:
         from autotune.loaders.nvidia_smi import utilization_series
 
-        report.device_utilization = utilization_series(path)
+        for f in files:
+            for gpu, series in utilization_series(f).items():
+                report.device_utilization[gpu if len(files) == 1 else f"{f.name}:{gpu}"] = series
         report.missing.append("An nvidia-smi log carries no per-step timing: the step split is drawn for "
                               "autotune metrics CSVs only; utilization is drawn per device over its samples.")
         return report
@@ -403,11 +411,18 @@ def gather_metrics(path: str | Path, findings: list[Any], fmt: str, notes: list[
         report.missing.append(f"A {fmt} file carries no per-step, per-rank timing: utilization over the "
                               "steps and the step split are drawn for autotune metrics CSVs only.")
         return report
-    from autotune.loaders.metrics import read_columns
+    import numpy as np
 
-    cols = read_columns(path)
-    for s in summaries:
-        data = steps_from_columns(cols, s.trial)
-        if data is not None:
-            report.steps[s.trial] = data
+    from autotune.loaders.metrics import read_trial_columns
+
+    for name, paths in jobs:
+        cols = read_trial_columns(paths)
+        for trial in sorted({int(t) for t in np.unique(cols["trial"])}):
+            if trial in report.steps:  # figures are keyed by trial: another job's trial of that number
+                report.missing.append(f"Figures of {name} (trial {trial}) are not drawn: another input "
+                                      "already holds that trial number; advise it on its own to see them.")
+                continue
+            data = steps_from_columns(cols, trial)
+            if data is not None:
+                report.steps[trial] = data
     return report

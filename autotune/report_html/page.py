@@ -282,7 +282,7 @@ def _trial_name(trial: int) -> str:
 
 # -- the advise page ---------------------------------------------------------------------
 def render_metrics(m: MetricsReport, figs: Sequence[Figure], figures_href: str) -> str:
-    name = m.source.name
+    name = m.label or m.source.name
     parts = [f"<h1>autotune advise: {escape(name)}</h1>"]
     stats = []
     for s in m.summaries[:4]:
@@ -292,7 +292,7 @@ def render_metrics(m: MetricsReport, figs: Sequence[Figure], figures_href: str) 
     stats.append((str(len(m.findings)), "rules fired"))
     parts.append('<section class="headline">' + "".join(
         f'<div class="stat"><b>{escape(v)}</b><span>{escape(t)}</span></div>' for v, t in stats) + "</section>")
-    facts = [("Input", f"{m.source} ({m.format})")]
+    facts = [("Input", f"{m.label or m.source} ({m.format})")]
     for s in m.summaries[:4]:
         facts.append((_trial_name(s.trial).capitalize(), f"utilization mean {s.device_utilization_mean:.0%}, bubble "
                                           f"{s.bubble_fraction_measured:.2f} measured / {s.bubble_fraction_ideal:.2f} ideal, "
