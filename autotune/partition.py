@@ -1,0 +1,202 @@
+"""Balanced pipeline stages: the contiguous partition that minimizes the slowest stage.
+
+Pure arithmetic on measured per-layer costs (autotune/layer_costs.py writes them);
+no torch, no DeepSpeed. A partition is DeepSpeed's `parts` list, as
+`PipelineModule.parts` holds it: stage s owns layers `parts[s] .. parts[s+1]-1`,
+`len(parts) == stages + 1`, `parts[0] == 0`, `parts[-1] == num_layers`.
+
+The solver is exact: a dynamic programme over (stage, first layer of the next
+stage), O(stages x layers^2), which is instant for any real model (hundreds of
+layers). Every stage is non-empty (DeepSpeed's `type:` method can leave one
+empty; we never do). An optional memory limit per stage is a hard constraint:
+a stage holds its layers' parameter state plus, under 1F1B, the activations of
+up to `min(stages - stage_id, micro_batches)` micro-batches in flight
+(deepspeed/runtime/pipe/schedule.py `TrainSchedule.num_pipe_buffers`), so the
+first stage carries the most activation memory.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from autotune.errors import UserError
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MemoryModel:
+    """What one stage's memory is made of, and how much it may use."""
+
+    limit_bytes: float
+    """Memory one stage may use (e.g. device memory minus head-room)."""
+    parameter_bytes: Sequence[float]
+    """Per layer: bytes of its parameter state (weights, gradients, optimizer state)."""
+    activation_bytes: Sequence[float]
+    """Per layer: bytes autograd keeps for backward, per micro-batch."""
+    micro_batches: int = 1_000_000
+    """Micro-batches per step (GAS): caps the activations in flight."""
+
+
+def in_flight(stages: int, stage_id: int, micro_batches: int) -> int:
+    """Micro-batches whose activations stage `stage_id` holds at once under 1F1B."""
+    return max(1, min(stages - stage_id, micro_batches))
+
+
+def stage_memory(parts: Sequence[int], memory: MemoryModel) -> list[float]:
+    """Bytes each stage of `parts` needs under `memory`."""
+    stages = len(parts) - 1
+    out = []
+    for s in range(stages):
+        lo, hi = parts[s], parts[s + 1]
+        params = sum(memory.parameter_bytes[lo:hi])
+        acts = sum(memory.activation_bytes[lo:hi])
+        out.append(params + acts * in_flight(stages, s, memory.micro_batches))
+    return out
+
+
+def check_parts(parts: Sequence[int], num_layers: int, stages: int | None = None) -> list[int]:
+    """`parts` as a list of ints, or a UserError saying what is wrong with it."""
+    try:
+        parts = [int(p) for p in parts]
+    except (TypeError, ValueError):
+        raise UserError(f"partition {parts!r}: boundaries must be integers") from None
+    if stages is not None and len(parts) != stages + 1:
+        raise UserError(f"partition {parts}: {len(parts)} boundaries for {stages} stages; "
+                        f"give {stages + 1} (0, ..., {num_layers})")
+    if len(parts) < 2 or parts[0] != 0 or parts[-1] != num_layers:
+        raise UserError(f"partition {parts}: must start at 0 and end at the layer count {num_layers}")
+    if any(b <= a for a, b in zip(parts, parts[1:], strict=False)):
+        raise UserError(f"partition {parts}: boundaries must increase (every stage needs a layer)")
+    return parts
+
+
+def parse_parts(text: str) -> list[int]:
+    """'0,5,12' (or '[0, 5, 12]') -> [0, 5, 12]."""
+    body = text.strip().removeprefix("[").removesuffix("]")
+    try:
+        return [int(x) for x in body.split(",") if x.strip()]
+    except ValueError:
+        raise UserError(f"partition {text!r}: expected comma-separated layer boundaries, e.g. 0,5,12") from None
+
+
+def stage_times(costs: Sequence[float], parts: Sequence[int]) -> list[float]:
+    """Predicted compute seconds of each stage: the sum of its layers' costs."""
+    return [float(sum(costs[parts[s]:parts[s + 1]])) for s in range(len(parts) - 1)]
+
+
+def imbalance(times: Sequence[float]) -> float:
+    """max / mean of stage times (1.0 = perfectly balanced), as summary.stage_compute_imbalance."""
+    mean = sum(times) / len(times) if times else 0.0
+    return max(times) / mean if mean > 0 else 1.0
+
+
+def balanced_parts(costs: Sequence[float], stages: int, *, memory: MemoryModel | None = None) -> list[int]:
+    """The contiguous partition of `costs` into `stages` non-empty stages with the least slowest stage.
+
+    Among partitions with the same slowest stage, the one with the least sum of squared
+    stage times is kept (the rest of the stages balanced too, not only the worst).
+    Raises UserError when no partition fits (too few layers, or memory).
+    """
+    n = len(costs)
+    if stages < 1:
+        raise UserError(f"stages must be >= 1, got {stages}")
+    if n < stages:
+        raise UserError(f"{n} layers cannot fill {stages} stages (every stage needs a layer)")
+    if any(not math.isfinite(c) or c < 0 for c in costs):
+        raise UserError("layer costs must be finite and >= 0")
+    if memory is not None and (len(memory.parameter_bytes) != n or len(memory.activation_bytes) != n):
+        raise UserError(f"memory model has {len(memory.parameter_bytes)}/{len(memory.activation_bytes)} "
+                        f"layers, the costs {n}")
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + float(c))
+    pprefix, aprefix = [0.0], [0.0]
+    if memory is not None:
+        for p, a in zip(memory.parameter_bytes, memory.activation_bytes, strict=True):
+            pprefix.append(pprefix[-1] + float(p))
+            aprefix.append(aprefix[-1] + float(a))
+
+    def fits(s: int, lo: int, hi: int) -> bool:
+        if memory is None:
+            return True
+        need = (pprefix[hi] - pprefix[lo]) + (aprefix[hi] - aprefix[lo]) * in_flight(stages, s, memory.micro_batches)
+        return need <= memory.limit_bytes
+
+    inf = (math.inf, math.inf)
+    # best[s][j]: (slowest, sum of squares) of the first s+1 stages covering layers 0..j-1
+    best = [[inf] * (n + 1) for _ in range(stages)]
+    back = [[-1] * (n + 1) for _ in range(stages)]
+    for j in range(1, n - stages + 2):
+        if fits(0, 0, j):
+            t = prefix[j]
+            best[0][j] = (t, t * t)
+    for s in range(1, stages):
+        for j in range(s + 1, n - (stages - s - 1) + 1):
+            cand, arg = inf, -1
+            for i in range(s, j):
+                prev = best[s - 1][i]
+                if prev[0] == math.inf or not fits(s, i, j):
+                    continue
+                t = prefix[j] - prefix[i]
+                value = (max(prev[0], t), prev[1] + t * t)
+                if value < cand:
+                    cand, arg = value, i
+            best[s][j], back[s][j] = cand, arg
+    if best[stages - 1][n][0] == math.inf:
+        raise UserError(f"no partition of {n} layers into {stages} stages fits "
+                        f"{memory.limit_bytes:.4g} bytes per stage" if memory else "no partition found")
+    parts = [n]
+    j = n
+    for s in range(stages - 1, 0, -1):
+        j = back[s][j]
+        parts.append(j)
+    parts.append(0)
+    return parts[::-1]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LayerMove:
+    """One layer that changes stage between two partitions."""
+
+    layer: int
+    from_stage: int
+    to_stage: int
+
+
+def stage_of(parts: Sequence[int], layer: int) -> int:
+    for s in range(len(parts) - 1):
+        if parts[s] <= layer < parts[s + 1]:
+            return s
+    raise ValueError(f"layer {layer} outside partition {list(parts)}")
+
+
+def moves(old: Sequence[int], new: Sequence[int]) -> list[LayerMove]:
+    """Which layers move where from `old` to `new` (same layer count and stages)."""
+    if old[-1] != new[-1] or len(old) != len(new):
+        raise UserError(f"partitions {list(old)} and {list(new)} differ in layers or stages")
+    out = []
+    for layer in range(old[-1]):
+        a, b = stage_of(old, layer), stage_of(new, layer)
+        if a != b:
+            out.append(LayerMove(layer=layer, from_stage=a, to_stage=b))
+    return out
+
+
+def describe_moves(old: Sequence[int], new: Sequence[int], names: Sequence[str] | None = None) -> str:
+    """'layers 5-6 (DecoderLayerPipe) stage 1 -> 0' lines, grouped into runs; '' when nothing moves."""
+    runs: list[list[LayerMove]] = []
+    for m in moves(old, new):
+        last = runs[-1][-1] if runs else None
+        if last and m.layer == last.layer + 1 and (m.from_stage, m.to_stage) == (last.from_stage, last.to_stage):
+            runs[-1].append(m)
+        else:
+            runs.append([m])
+    lines = []
+    for run in runs:
+        a, b = run[0].layer, run[-1].layer
+        span = f"layer {a}" if a == b else f"layers {a}-{b}"
+        kinds = sorted({names[m.layer] for m in run}) if names else []
+        label = f" ({', '.join(kinds)})" if kinds else ""
+        lines.append(f"{span}{label}: stage {run[0].from_stage} -> {run[0].to_stage}")
+    return "; ".join(lines)
