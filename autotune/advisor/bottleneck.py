@@ -48,9 +48,8 @@ def other_partition_method(s: SignalSet, raw: dict[str, Any] | None) -> Change:
         new = "uniform"
     else:
         new = "parameters"  # from uniform or type:REGEX, the other built-in balance
-    known = f"now {cur!r} ({where})" if cur else f"the run's method is not recorded; DeepSpeed's default is {DEEPSPEED_DEFAULT_METHOD!r}"
-    note = (f"{NOT_A_CONFIG_KEY}; {known}; 'type:<your block class>' balances by that layer's "
-            "count, and neither built-in method follows measured cost: re-measure after the change")
+    known = f"now {cur} ({where})" if cur else f"the run's method is not recorded (DeepSpeed's default: {DEEPSPEED_DEFAULT_METHOD})"
+    note = f"{NOT_A_CONFIG_KEY}; {known}; or type:<your block class>; re-measure after the change"
     return Change(kind="advice", target="PipelineModule:partition_method", current=cur, new=new, note=note)
 
 

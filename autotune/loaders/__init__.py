@@ -57,7 +57,8 @@ def load_inputs(args: Sequence[str], *, stages: int | None = None) -> LoadedInpu
                 subjects.append(replace(from_summary(s, subject=_subject_name(g, s.trial)),
                                         partition_method=g.partition_method,
                                         sources=tuple(str(p) for p in g.paths)))
-        return LoadedInput(format=fmt, subjects=_unique(subjects, groups), notes=notes,
+        notes += [n for s in summaries if (n := _missing_ranks(s))]
+        return LoadedInput(format=fmt, subjects=_unique(subjects, groups), notes=list(dict.fromkeys(notes)),
                            summaries=summaries, groups=groups)
     if fmt == NVIDIA_SMI:
         from autotune.loaders.nvidia_smi import NOTE, load_nvidia_smi
@@ -112,6 +113,19 @@ def _split_overlapping(groups: list[InputGroup]) -> tuple[list[InputGroup], list
                      "so each file of that folder is advised on its own")
         out.extend(replace(g, name=p.name, paths=(p,)) for p in g.paths)
     return out, notes
+
+
+def _missing_ranks(s: TrialSummary) -> str:
+    """Say so when a job's files hold fewer ranks than its layout has (imbalance is then unseen)."""
+    world = s.pipeline_stages * s.data_parallel_size
+    if len(s.ranks) >= world:
+        return ""
+    stages = {r.stage for r in s.ranks}
+    seen = f"{len(s.ranks)} of {world} ranks ({s.pipeline_stages} stages x dp {s.data_parallel_size})"
+    of_trial = f" of trial {s.trial}" if s.trial >= 0 else ""
+    unseen = "; stage imbalance needs every stage" if len(stages) < s.pipeline_stages else ""
+    return (f"the input holds {seen}{of_trial}{unseen}: give every rank's file (several files, "
+            "a quoted glob such as 'run/metrics-rank*.csv', or their folder)")
 
 
 def _subject_name(g: InputGroup, trial: int) -> str:
