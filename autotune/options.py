@@ -47,8 +47,13 @@ class WorkloadOptions:
     steps: int = option(6, "Measured steps per trial.", lo=1, hi=100_000, unit="steps", group="workload")
     warmup_steps: int = option(2, "Warm-up steps per trial, excluded from every summary.", lo=0,
                                hi=100_000, unit="steps", group="workload")
-    partition_method: str = option("parameters", "PipelineModule partition: parameters, uniform or type:REGEX.",
-                                   group="workload")
+    partition_method: str = option("parameters", "PipelineModule partition: parameters, uniform, type:REGEX "
+                                   "or explicit boundaries parts:0,5,12 (docs/partition.md).", group="workload")
+    layer_costs: bool = option(False, "Time every layer's forward and backward in every trial "
+                               "(layer-costs-rankR.csv; docs/partition.md).", group="workload")
+    balance_stages: bool = option(False, "When a trial's stages are unbalanced, run one trial with the "
+                                  "partition its measured layer costs balance (docs/partition.md).",
+                                  group="workload")
     activation_checkpoint_interval: int = option(0, "PipelineModule activation checkpoint interval (0 = off).",
                                                  lo=0, hi=1_000_000, group="workload")
     tokens: str | None = option(None, "Token file instead of synthetic data (.npy, .bin uint16 or raw bytes).",
@@ -57,6 +62,8 @@ class WorkloadOptions:
                                     group="workload")
     slow_factor: int = option(1, "Test hook: by this factor.", lo=1, hi=1000, hidden=True, group="workload")
     slow_every: int = option(1, "Test hook: every Nth step only.", lo=1, hi=1000, cli=False)
+    slow_layer: int | None = option(None, "Test hook: stretch this layer's forward by --slow-factor.", lo=0,
+                                    hidden=True, group="workload")
     threads: int = option(1, "torch threads per rank (CPU).", lo=1, hi=1024, cli=False)
     seed: int = option(1234, "Model and data seed of every trial.", lo=0, hi=2**32 - 1, cli=False)
     job: str = option("autotune", "The `job` label of every metric.", cli=False)
