@@ -18,7 +18,7 @@ PACKAGES = ("autotune", "exporters")
 # The only places where the core imports exporters: the assembly of a rank's sinks
 # (`instrument()`, the one-liner) and of a run's controller endpoint. Exporters depend on
 # the core's data model (schema, summary, space), never the other way round elsewhere.
-CORE_TO_EXPORTERS = {"autotune.instrument", "autotune.session"}
+CORE_TO_EXPORTERS = {"autotune.instrument", "autotune.session", "autotune.usercmd.watch"}
 
 ALLOWED_IMPORT_FALLBACKS = {
     # Without torch there is no CUDA: the trial ranks get DeepSpeed's CPU accelerator.

@@ -1,0 +1,389 @@
+"""`autotune watch -- deepspeed train.py ...`: run the user's job unchanged, watched, for as long as it runs.
+
+The same bootstrap as a tuning trial (hook.py), in watch mode: every rank's
+PipelineEngine is instrumented (metrics CSV, Prometheus endpoint) and never
+stopped. Meanwhile this process
+
+- echoes the job's output (it also lands in RUN/launcher.log),
+- lists every rank endpoint, with the port it really bound, in
+  OUT/prometheus_targets.json (exporters/file_sd.py) and serves the findings
+  on the controller endpoint (exporters/prometheus_watch.py),
+- re-evaluates the advisor every `interval` seconds over the last `window`
+  steps of each rank's CSV, and prints the findings when they change,
+- passes the job's exit code through; on SIGINT/SIGTERM stops the whole process
+  group (ranks, launcher, endpoint children), removes DeepSpeed's /dev/shm
+  buffers and returns 128 + the signal (130 for Ctrl-C).
+
+Each watch writes a new folder OUT/run-NNN (nothing of an earlier watch is overwritten).
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from autotune.errors import InputFileError, UserError
+from autotune.fileio import write_atomic
+from autotune.launcher import LaunchSpec, free_port
+from autotune.usercmd.command import UserCommand, check_launcher_installed, parse_command
+from autotune.usercmd.hook import MODE_WATCH, BootstrapSettings
+from autotune.usercmd.runner import CommandProcess, rank_env, read_markers
+
+RUN_PREFIX = "run-"
+POLL_SECONDS = 0.5
+
+
+@dataclass(kw_only=True, slots=True)
+class WatchOptions:
+    """What `autotune watch` is told (autotune/cli_watch.py)."""
+
+    out: str = "autotune-watch"
+    """Folder of the watches; each one writes OUT/run-NNN."""
+    config: str | None = None
+    """The config, for a command that takes it through the {config} placeholder."""
+    job: str = "autotune"
+    metrics_port: int | None = 9700
+    rank_metrics_port: int | None = 9710
+    metrics_addr: str = "127.0.0.1"
+    no_metrics: bool = False
+    interval: float = 10.0
+    """Seconds between advisor evaluations."""
+    window: int = 200
+    """Each evaluation summarizes the last `window` steps of every rank (0: all so far)."""
+    warmup_steps: int = 2
+    """The first steps of each rank, left out of every summary (start-up is not the job)."""
+    echo: bool = True
+    """Echo the job's output here (it is in RUN/launcher.log either way)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class PreparedWatch:
+    command: UserCommand
+    config: Path
+    cwd: Path
+
+
+def prepare(argv: list[str], opts: WatchOptions, *, cwd: Path) -> PreparedWatch:
+    """Every check of the command and its config, before anything starts: one UserError each."""
+    cmd = parse_command(argv, cwd=cwd)
+    if cmd.uses_placeholder:
+        if not opts.config:
+            raise UserError("the command takes the config through {config}; give the file with --config FILE")
+        config = Path(opts.config)
+    else:
+        if opts.config:
+            raise UserError("--config and --deepspeed_config both name a config; name it once")
+        config = Path(cmd.user_config)
+    path = config if config.is_absolute() else cwd / config
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise UserError(f"DeepSpeed config {config} not found (relative to {cwd})") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserError(f"DeepSpeed config {config}: cannot read ({exc.__class__.__name__})") from None
+    except json.JSONDecodeError as exc:
+        raise UserError(f"DeepSpeed config {config}: not valid JSON (line {exc.lineno}, column {exc.colno}: "
+                        f"{exc.msg})") from None
+    if not isinstance(raw, dict):
+        raise UserError(f"DeepSpeed config {config}: not a JSON object")
+    check_launcher_installed(cmd)
+    if opts.interval <= 0 or opts.window < 0 or opts.warmup_steps < 0:
+        raise UserError("--interval must be > 0, --window and --warmup-steps >= 0")
+    return PreparedWatch(command=cmd, config=config, cwd=cwd)
+
+
+def new_run_dir(out: Path) -> Path:
+    """OUT/run-NNN, one past the highest there: an earlier watch's files are never touched."""
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out}: exists and is not a folder")
+    out.mkdir(parents=True, exist_ok=True)
+    for _ in range(100):  # another watch may take the same number at the same moment
+        numbers = [int(p.name[len(RUN_PREFIX):]) for p in out.glob(f"{RUN_PREFIX}*")
+                   if p.name[len(RUN_PREFIX):].isdigit()]
+        run = out / f"{RUN_PREFIX}{max(numbers, default=0) + 1:03d}"
+        try:
+            run.mkdir()
+        except FileExistsError:
+            continue
+        return run.resolve()
+    raise UserError(f"--out {out}: cannot create a new run folder in it")
+
+
+def own_master_port(cmd: UserCommand) -> int | None:
+    """The --master_port the user's command gives its launcher, if any (kept as written)."""
+    args = list(cmd.launcher_args)
+    for i, a in enumerate(args):
+        name, eq, value = a.partition("=")
+        if name in ("--master_port", "--master-port"):
+            value = value if eq else (args[i + 1] if i + 1 < len(args) else "")
+            return int(value) if value.isdigit() else None
+    return None
+
+
+# --- the advisor over what the CSVs hold so far ------------------------------------------------
+
+def evaluate_run(run_dir: Path, *, window: int, ds_config: Any = None) -> tuple[list[Any], Any]:
+    """(fired findings, summary) over the last `window` complete rows of each rank's CSV;
+    ([], None) while there is no measured step yet."""
+    from autotune.advisor import evaluate
+    from autotune.loaders.metrics import read_trial_columns
+    from autotune.summary import summarize_columns
+
+    files = sorted(run_dir.glob("metrics-rank*.csv"))
+    if not files:
+        return [], None
+    with tempfile.TemporaryDirectory(prefix="autotune-watch-") as tmp:
+        snaps = [p for f in files if (p := _snapshot(f, Path(tmp) / f.name, window)) is not None]
+        if not snaps:
+            return [], None
+        try:
+            summaries = summarize_columns(read_trial_columns(snaps), source=str(run_dir))
+        except InputFileError:
+            return [], None  # a rank's file between two states: the next evaluation reads it
+    if not summaries:
+        return [], None
+    engines = read_markers(run_dir, "engine")
+    ctx = {}
+    if engines and engines[0].get("pipeline"):
+        ctx = {"stages": engines[0]["stages"], "world_size": engines[0]["stages"] * engines[0]["dp"]}
+    findings = evaluate(summaries, ds_config=ds_config, context=ctx)
+    return [f for f in findings if f.fired], summaries[0]
+
+
+def _snapshot(src: Path, dst: Path, window: int) -> Path | None:
+    """The header and the last `window` complete lines of a CSV the rank is still appending to."""
+    try:
+        data = src.read_bytes()
+    except OSError:
+        return None
+    data = data[:data.rfind(b"\n") + 1]  # a row being written is not read half
+    lines = data.splitlines(keepends=True)
+    if len(lines) < 2:
+        return None
+    body = lines[1:] if window == 0 else lines[1:][-window:]
+    dst.write_bytes(lines[0] + b"".join(body))
+    return dst
+
+
+def _load_config(path: Path) -> Any:
+    """The user's config for the config rules; None where autotune's model of it refuses it
+    (the job runs anyway: DeepSpeed is the judge of its own config)."""
+    from autotune.dsconfig import load_ds_config
+
+    try:
+        return load_ds_config(path)
+    except UserError:
+        return None
+
+
+# --- running it ------------------------------------------------------------------------------
+
+class Stopped(KeyboardInterrupt):
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+@contextmanager
+def _signals_stop() -> Iterator[None]:
+    def handler(signum: int, frame: Any) -> None:
+        raise Stopped(signum)
+
+    old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+class _LogEcho:
+    """Prints what the job appends to its log (the job writes the file: our death never stalls it)."""
+
+    def __init__(self, path: Path, out: Any) -> None:
+        self.path, self.out, self.offset, self.partial = path, out, 0, b""
+
+    def pump(self, final: bool = False) -> None:
+        try:
+            with open(self.path, "rb") as fh:
+                fh.seek(self.offset)
+                chunk = fh.read()
+        except OSError:
+            return
+        self.offset += len(chunk)
+        data = self.partial + chunk
+        cut = len(data) if final else data.rfind(b"\n") + 1
+        self.partial = data[cut:]
+        if cut:
+            self.out(data[:cut].decode("utf-8", "replace").rstrip("\n"))
+
+
+class Watch:
+    """One watched run of the job: start, loop (echo, targets, findings), end."""
+
+    def __init__(self, prepared: PreparedWatch, opts: WatchOptions, display: Any) -> None:
+        self.p, self.opts, self.display = prepared, opts, display
+        self.console = display.console
+        self.say = lambda text: self.console.print(text, markup=False, highlight=False)
+        """Plain text: the job's command and the findings hold brackets that are not rich markup."""
+        self.run_dir = new_run_dir(Path(opts.out) if Path(opts.out).is_absolute() else prepared.cwd / opts.out)
+        self.endpoints: Any = None
+        self.exporter: Any = None
+        self.shown: dict[tuple[str, str], Any] = {}
+        self.ds_config = _load_config(prepared.cwd / prepared.config)
+        self.noted_engine = False
+
+    def run(self) -> int:
+        o = self.opts
+        live = not o.no_metrics
+        settings = BootstrapSettings(mode=MODE_WATCH, trial_dir=str(self.run_dir), trial=-1,
+                                     warmup_steps=o.warmup_steps,
+                                     metrics_port=o.rank_metrics_port if live else None,
+                                     metrics_addr=o.metrics_addr, job=o.job)
+        note = self.say
+        note(f"watch: {' '.join(self.p.command.argv)}")
+        note(f"watch folder: {self.run_dir} (metrics-rankR.csv, launcher.log, findings.json)")
+        if live:
+            self._start_endpoints(note)
+        spec = LaunchSpec(num_ranks=0, script_args=[], log_path=self.run_dir / "launcher.log", timeout=0.0,
+                          env=rank_env(settings), launcher=list(self.p.command.prefix))
+        proc = CommandProcess(spec, self.p.command, self.p.config, self.p.cwd,
+                              master_port=own_master_port(self.p.command) or free_port())
+        echo = _LogEcho(spec.log_path, self.console.out if o.echo else (lambda text: None))
+        try:
+            with _signals_stop():
+                error = proc.start()
+                if error is not None:
+                    raise UserError(error)
+                rc = self._loop(proc, echo)
+        except Stopped as stop:
+            for sig in (signal.SIGINT, signal.SIGTERM):  # the clean-up is not cut short
+                signal.signal(sig, signal.SIG_IGN)
+            try:
+                proc.stop(grace=5.0)  # the whole group: launcher, ranks, their endpoint children
+                echo.pump(final=True)
+            finally:
+                self._close()
+                for sig in (signal.SIGINT, signal.SIGTERM):
+                    signal.signal(sig, signal.SIG_DFL)
+            note(f"watch: stopped ({signal.Signals(stop.signum).name}): every rank of the job was stopped; "
+                 f"metrics so far in {self.run_dir}")
+            return 128 + stop.signum
+        except BaseException:
+            proc.stop(grace=2.0)
+            self._close()
+            raise
+        proc.stop(grace=2.0)  # anything the launcher left behind; the /dev/shm buffers by its port
+        echo.pump(final=True)
+        self._evaluate(final=True)
+        self._close()
+        note(f"watch: the job exited with code {rc}; metrics in {self.run_dir}")
+        return rc
+
+    def _start_endpoints(self, note: Any) -> None:
+        from exporters.prometheus_watch import WatchExporter
+        from exporters.run_endpoints import start_run_endpoints
+
+        o = self.opts
+        self.exporter = WatchExporter(job=o.job)
+        out = self.run_dir.parent
+        self.endpoints = start_run_endpoints(job=o.job, addr=o.metrics_addr, controller_port=o.metrics_port,
+                                             rank_port=o.rank_metrics_port, world_size=None, folder=out,
+                                             note=note, controller=self.exporter)
+        self.endpoints.watch_folder(self.run_dir)
+
+    def _loop(self, proc: CommandProcess, echo: _LogEcho) -> int:
+        assert proc.proc is not None
+        next_eval = time.monotonic() + self.opts.interval
+        status = self.console.status("watching: waiting for the first steps") if self.console.is_terminal else None
+        if status is not None:
+            status.start()
+        try:
+            while True:
+                rc = proc.proc.poll()
+                echo.pump(final=rc is not None)
+                self._note_engine()
+                if rc is not None:
+                    return 128 - rc if rc < 0 else rc  # killed by a signal: the shell's convention
+                if time.monotonic() >= next_eval:
+                    summary = self._evaluate()
+                    next_eval = time.monotonic() + self.opts.interval
+                    if status is not None and summary is not None:
+                        status.update(f"watching: {_describe(summary)}")
+                time.sleep(POLL_SECONDS)
+        finally:
+            if status is not None:
+                status.stop()
+
+    def _note_engine(self) -> None:
+        if self.noted_engine:
+            return
+        engines = read_markers(self.run_dir, "engine")
+        if not engines:
+            return
+        self.noted_engine = True
+        e = engines[0]
+        if not e.get("pipeline"):
+            self.say(f"watch: the script built a {e.get('engine')}, not a PipelineEngine: it runs "
+                              "on, without metrics (autotune instruments pipeline-parallel jobs)")
+            return
+        self.say(f"watch: the job: {e['stages']} pipeline stages x {e['dp']} data-parallel = "
+                          f"{e['stages'] * e['dp']} ranks, micro {e['micro_batch_size']} x GAS "
+                          f"{e['gradient_accumulation_steps']}")
+
+    def _evaluate(self, final: bool = False) -> Any:
+        """Findings over the CSVs so far; printed (and served) when they changed."""
+        from autotune.advisor.render import to_json
+
+        fired, summary = evaluate_run(self.run_dir, window=self.opts.window, ds_config=self.ds_config)
+        if summary is None:
+            return None
+        now = {(f.rule_id, f.severity): f for f in fired}
+        if self.exporter is not None:
+            self.exporter.set_findings(now)
+        if set(now) != set(self.shown) or final:
+            self._print_changes(now, summary, final)
+        self.shown = now
+        try:
+            write_atomic(self.run_dir / "findings.json", to_json(fired, input=str(self.run_dir), format="watch"))
+        except OSError:
+            pass
+        return summary
+
+    def _print_changes(self, now: dict, summary: Any, final: bool) -> None:
+        note = self.say
+        head = "findings at the end" if final else "findings changed"
+        note(f"watch: {head} ({_describe(summary)}):" if now or self.shown else
+             f"watch: no finding ({_describe(summary)})")
+        for key, f in now.items():
+            if key in self.shown and not final:
+                continue
+            change = f"; try {f.changes[0].describe()}" if f.changes else ""
+            evidence = f" [{f.evidence[0].describe()}]" if f.evidence else ""
+            note(f"  + {f.severity:<8} {f.rule_id}: {f.title}{evidence}{change}")
+        for key in self.shown:
+            if key not in now:
+                note(f"  - cleared  {key[0]}")
+
+    def _close(self) -> None:
+        if self.endpoints is not None:
+            self.endpoints.close()
+            self.endpoints = None
+
+
+def _describe(summary: Any) -> str:
+    return (f"{summary.steps} measured steps in the window, {summary.samples_per_second:.1f} samples/s, "
+            f"bubble {summary.bubble_fraction_measured:.2f} (ideal {summary.bubble_fraction_ideal:.2f})")
+
+
+def watch(argv: list[str], opts: WatchOptions, *, cwd: Path, display: Any) -> int:
+    """Run the job watched; its exit code (or 128 + signal when stopped)."""
+    prepared = prepare(argv, opts, cwd=cwd)
+    return Watch(prepared, opts, display).run()
