@@ -93,6 +93,9 @@ def _register_commands() -> None:
     from autotune.cli_report import report_command
 
     cli.add_command(report_command, "report")
+    from autotune.cli_watch import watch_command
+
+    cli.add_command(watch_command, "watch")
 
 
 _register_commands()
