@@ -43,7 +43,11 @@ def stage_map(devices: list[str], stages: int, source: str) -> dict[str, tuple[i
 
 def add_device_lead(out: SignalSet, util: dict[str, list[float]], names: dict[str, str], *,
                     stages: int | None, source: str) -> None:
-    """Set the lead signals (and, with `stages`, the layout) on an nvidia-smi subject."""
+    """Set the lead signals (and, with `stages`, the layout) on an nvidia-smi subject.
+
+    Without `stages` each device is compared with the others; with it each stage (the
+    mean of its dp devices), since a slow stage keeps all of its data-parallel devices busy.
+    """
     order = device_order(list(util))
     where = stage_map(order, stages, source) if stages else {}
     means = {d: statistics.fmean(util[d]) for d in order}
@@ -55,29 +59,43 @@ def add_device_lead(out: SignalSet, util: dict[str, list[float]], names: dict[st
         for k in ("pipeline_stages", "data_parallel_size"):
             out.unavailable.pop(k, None)
     lead_signals = ("device_utilization_lead", "device_utilization_lead_points", "device_utilization_lead_share")
-    if len(order) < 2:
+    units = ({st: [d for d in order if where[d][1] == st] for st in range(stages)} if stages
+             else {d: [d] for d in order})
+    if len(units) < 2:
         for k in lead_signals:
-            out.unavailable[k] = "needs at least two devices in the log"
+            out.unavailable[k] = ("needs at least two devices in the log" if not stages
+                                  else "needs at least two pipeline stages")
         return
-    busiest = max(order, key=lambda d: means[d])
-    others = [d for d in order if d != busiest]
-    others_mean = statistics.fmean(means[d] for d in others)
-    lead = means[busiest] / max(others_mean, MIN_OTHERS_MEAN)
     rounds = min(len(util[d]) for d in order)
-    above = sum(util[busiest][k] > statistics.fmean(util[d][k] for d in others) for k in range(rounds))
+    unit_mean = {u: statistics.fmean(means[d] for d in ds) for u, ds in units.items()}
+    unit_round = {u: [statistics.fmean(util[d][k] for d in ds) for k in range(rounds)] for u, ds in units.items()}
+    busiest = max(units, key=lambda u: unit_mean[u])
+    others = [u for u in units if u != busiest]
+    others_mean = statistics.fmean(unit_mean[u] for u in others)
+    lead = unit_mean[busiest] / max(others_mean, MIN_OTHERS_MEAN)
+    above = sum(unit_round[busiest][k] > statistics.fmean(unit_round[u][k] for u in others) for k in range(rounds))
     out.values.update({"device_utilization_lead": lead,
-                       "device_utilization_lead_points": means[busiest] - others_mean,
+                       "device_utilization_lead_points": unit_mean[busiest] - others_mean,
                        "device_utilization_lead_share": above / rounds if rounds else None})
     for k in lead_signals:
         out.unavailable.pop(k, None)
-    rank, stage = where.get(busiest) or (None, None)
-    out.per_rank["device_utilization_lead"] = [RankValue(lead, rank, stage, device=f"gpu{busiest}")]
-    ident = f" ({names[busiest]})" if busiest in names else ""
-    on = (f"; stage {stage} of {stages} (rank {rank}; ranks in device order, stage = rank // dp)"
-          if stage is not None else "; pass --stages N to name its pipeline stage")
-    others_n = ", ".join(f"gpu{d} {means[d]:.0%}" for d in others)
+    hot = units[busiest]
+    out.per_rank["device_utilization_lead"] = [
+        RankValue(lead, *(where.get(d) or (None, None)), device=f"gpu{d}") for d in hot]
+    ident = "; ".join((f"gpu{d} " if stages else "") + names[d] for d in hot if d in names)
+    n_hot = sum(len(util[d]) for d in hot)
+    n_other = sum(len(util[d]) for u in others for d in units[u])
+    if stages:
+        ranks = ",".join(str(where[d][0]) for d in hot)
+        what = f"stage {busiest} of {stages} (gpu{', gpu'.join(hot)}: ranks {ranks})"
+        shown = ", ".join(f"stage {u} {unit_mean[u]:.0%}" for u in others)
+        how = "; ranks in device order, stage = rank // dp (DeepSpeed's pipe-data topology)"
+    else:
+        what = f"gpu{busiest}"
+        shown = ", ".join(f"gpu{u} {unit_mean[u]:.0%}" for u in others)
+        how = "; pass --stages N to name its pipeline stage"
     out.details["device_utilization_lead"] = (
-        f"gpu{busiest}{ident}: mean utilization {means[busiest]:.1%} over {len(util[busiest])} samples "
-        f"vs. {others_mean:.1%} mean of the others ({others_n}; {sum(len(util[d]) for d in others)} samples), "
-        f"{means[busiest] - others_mean:.0%} points above; above the others in {above} of {rounds} "
-        f"sampling rounds{on}")
+        f"{what}{f' ({ident})' if ident else ''}: mean utilization {unit_mean[busiest]:.1%} over {n_hot} "
+        f"samples vs. {others_mean:.1%} mean of the others ({shown}; {n_other} samples), "
+        f"{unit_mean[busiest] - others_mean:.0%} points above; above the others in {above} of {rounds} "
+        f"sampling rounds{how}")
