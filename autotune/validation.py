@@ -29,11 +29,17 @@ def validate(opts: RunOptions, *, built_in: bool = True) -> None:
     for addr in {opts.metrics_addr, wl.metrics_addr}:
         if not _valid_host(addr):
             raise UserError(f"--metrics-addr {addr!r}: use an IP address or a host name (default 127.0.0.1)")
+    if built_in and wl.slow_layer is not None and wl.slow_layer >= _layer_count(wl.preset):
+        raise UserError(f"--slow-layer must be in [0, {_layer_count(wl.preset) - 1}]")
     if wl.slow_stage is not None and not 0 <= wl.slow_stage < wl.pipeline_stages:
         raise UserError(f"--slow-stage must be in [0, {wl.pipeline_stages - 1}]")
     pm = wl.partition_method
-    if pm not in ("parameters", "uniform") and not pm.startswith("type:"):
-        raise UserError(f"--partition-method {pm!r}: use parameters, uniform or type:REGEX")
+    if pm.startswith("parts:"):
+        from autotune.pipeline_parts import check_method
+
+        check_method(pm, wl.pipeline_stages, _layer_count(wl.preset) if built_in else None)
+    elif pm not in ("parameters", "uniform") and not pm.startswith("type:"):
+        raise UserError(f"--partition-method {pm!r}: use parameters, uniform, type:REGEX or parts:B0,B1,...")
     if pm.startswith("type:"):
         try:
             re.compile(pm[5:])
@@ -63,6 +69,11 @@ def validate(opts: RunOptions, *, built_in: bool = True) -> None:
             raise UserError(f"{wl.tokens}: token file is shorter than one sequence "
                             f"({preset.seq_length + 1} tokens); give a longer file")
         wl.tokens = str(Path(wl.tokens).resolve())  # the ranks run in another working directory
+
+
+def _layer_count(preset: str) -> int:
+    """PipelineModule layers of the built-in model: embedding, decoder layers, LM head."""
+    return get_preset(preset).num_layers + 2
 
 
 def _valid_host(addr: str) -> bool:
