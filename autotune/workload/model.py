@@ -94,6 +94,10 @@ def build_pipeline_module(preset: ModelPreset, *, stages: int, partition_method:
     """A deepspeed.pipe.PipelineModule of the preset (deepspeed.comm must be initialized)."""
     from deepspeed.pipe import LayerSpec, PipelineModule
 
+    if partition_method.startswith("parts:"):  # explicit boundaries (autotune/pipeline_parts.py)
+        from autotune.pipeline_parts import install
+
+        install()
     specs = [LayerSpec(EmbeddingPipe, preset)]
     specs += [LayerSpec(DecoderLayerPipe, preset) for _ in range(preset.num_layers)]
     specs.append(LayerSpec(LMHeadPipe, preset))

@@ -23,6 +23,23 @@ from collections.abc import Callable
 from typing import Any
 
 
+def stretch_layer(module: Any, layer: int, factor: float) -> bool:
+    """Make global layer `layer`'s forward take `factor` times as long, if this stage holds it.
+
+    A per-layer ground truth for the layer-cost tests (autotune/layer_costs.py): hooks
+    registered here run before the measuring ones, so the sleep falls inside the
+    layer's measured forward. Returns whether this stage holds the layer.
+    """
+    local = layer - int(getattr(module, "_local_start", 0))
+    if factor == 1 or not 0 <= local < len(module.forward_funcs):
+        return False
+    target = module.forward_funcs[local]
+    started: list[float] = []
+    target.register_forward_pre_hook(lambda _m, _a: started.append(time.perf_counter()))
+    target.register_forward_hook(lambda _m, _a, _o: time.sleep((factor - 1) * (time.perf_counter() - started.pop())))
+    return True
+
+
 def stretch_compute(engine: Any, factor: float, every: int = 1) -> None:
     """Make this rank's forward and backward instructions take `factor` times as long.
 

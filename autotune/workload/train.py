@@ -90,6 +90,10 @@ def run_trial(spec: TrialSpec, *, release: bool = False) -> TrialRun:
         preset, stages=wl.pipeline_stages, partition_method=wl.partition_method,
         activation_checkpoint_interval=wl.activation_checkpoint_interval, seed=wl.seed,
     )
+    if wl.slow_layer is not None:  # test hook: before the layer-cost hooks, which then time it
+        from autotune.workload.slowdown import stretch_layer
+
+        stretch_layer(module, wl.slow_layer, wl.slow_factor)
     with open(spec.ds_config, encoding="utf-8") as fh:
         ds_config = json.load(fh)
     engine, _, _, _ = deepspeed.initialize(
@@ -104,6 +108,12 @@ def run_trial(spec: TrialSpec, *, release: bool = False) -> TrialRun:
         probe = instrument(engine, csv_path=spec.metrics_csv, metrics_port=wl.metrics_port,
                            metrics_addr=wl.metrics_addr, trial=spec.trial, job=wl.job,
                            warmup_steps=wl.warmup_steps, seq_length=preset.seq_length)
+        if wl.layer_costs:  # a sink of the probe: written beside the metrics CSV when it closes
+            import os
+
+            from autotune.layer_costs import attach
+
+            attach(probe, os.path.dirname(spec.metrics_csv))
         tokens = (load_token_file(wl.tokens, preset.vocab_size) if wl.tokens
                   else synthetic_tokens(preset.vocab_size, 200_000, seed=wl.seed))
         dp_rank = engine.grid.get_data_parallel_rank()
