@@ -204,3 +204,41 @@ def test_a_real_slowed_stage_is_named(tmp_path):
     assert f is not None and f["evidence"][0]["stages"] == [1] and f["evidence"][0]["ranks"] == [1]
     assert f["subject"] == "m0.csv + 1 more"
     assert f["evidence"][0]["measured"] == pytest.approx(summary.stage_compute_imbalance)
+
+
+def write_layer_costs(folder: Path, costs: list[float], parts: list[int]) -> None:
+    from autotune.layer_costs import rows_to_csv
+
+    stages = len(parts) - 1
+    for st in range(stages):
+        rows = [{"rank": st, "stage": st, "stages": stages, "layer": i, "name": "Block",
+                 "forward_seconds": costs[i] / 3, "backward_seconds": 2 * costs[i] / 3, "parameters": 1000,
+                 "activation_bytes": 4096, "stage_overhead_seconds": 0.0, "stage_peak_memory_bytes": 1e9,
+                 "peak_memory_kind": "process_max_rss", "micro_batch_size": 4, "gradient_accumulation_steps": 8,
+                 "steps": 5} for i in range(parts[st], parts[st + 1])]
+        (folder / f"layer-costs-rank{st}.csv").write_text(rows_to_csv(rows))
+
+
+def test_layer_cost_files_give_the_proposed_parts(tmp_path):
+    """Stage 1's four layers cost 3x stage 0's: the balanced contiguous split moves layer 4 to stage 0."""
+    run = metrics_job(tmp_path / "run", [0.2, 0.6])
+    write_layer_costs(run, [0.05] * 4 + [0.15] * 4, [0, 4, 8])
+    data = advise(run)
+    f = finding(data, "stage-imbalance")
+    parts = next(c for c in f["changes"] if c["target"] == "PipelineModule parts")
+    assert parts["current"] == [0, 4, 8] and parts["new"] == [0, 5, 8]
+    assert "layer 4 (Block): stage 1 -> 0" in parts["note"] and "0.6 s -> 0.45 s" in parts["note"]
+    assert not any("layer-costs" in s for s in data["sources"])  # read by the advice, not as inputs
+
+
+def test_without_layer_cost_files_no_parts_are_made_up(tmp_path):
+    data = advise(metrics_job(tmp_path / "run", [0.2, 0.6]))
+    f = finding(data, "stage-imbalance")
+    assert "PipelineModule parts" not in {c["target"] for c in f["changes"]}
+
+
+def test_unreadable_layer_costs_are_one_line(tmp_path):
+    run = metrics_job(tmp_path / "run", [0.2, 0.6])
+    (run / "layer-costs-rank0.csv").write_text("rank,stage\n0,0\n")
+    r = CliRunner().invoke(cli, ["advise", str(run)])
+    assert r.exit_code == 2 and r.output.count("\n") == 1 and "layer costs beside the metrics" in r.output

@@ -8,7 +8,6 @@ lie beside the metrics, the parts `autotune.partition` proposes.
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +18,7 @@ from autotune.advisor.signals import SignalSet
 BUILTIN_METHODS = ("parameters", "uniform")
 DEEPSPEED_DEFAULT_METHOD = "parameters"
 NOT_A_CONFIG_KEY = "a PipelineModule(partition_method=...) argument in your model code, not a ds_config key"
-LAYER_COST_GLOB = "layer-costs-rank*.csv"
+LAYER_COST_GLOB = "layer-costs-rank*.csv"  # autotune.layer_costs.FILE_GLOB (that module imports the probe's timer)
 """Per-layer forward/backward times, one file per rank, beside the metrics CSVs."""
 
 
@@ -99,8 +98,32 @@ def layer_cost_files(s: SignalSet) -> list[Path]:
 
 
 def measured_parts(s: SignalSet) -> Change | None:
-    """The parts `autotune.partition` computes from per-layer costs, where both exist."""
+    """The parts `autotune.partition` computes from the per-layer cost files beside the metrics.
+
+    None where there are no such files, or where the measured partition is already the best.
+    No memory limit applies here (advise does not know the device's size): `autotune run`
+    checks the parts against memory when it tries them.
+    """
     files = layer_cost_files(s)
-    if not files or importlib.util.find_spec("autotune.partition") is None:
+    if not files:
         return None
-    return None  # the solver's interface is not settled yet
+    from autotune.errors import InputFileError, UserError
+    from autotune.layer_costs import read_layer_costs
+    from autotune.partition import balanced_parts, describe_moves, imbalance, stage_times
+
+    try:
+        lc = read_layer_costs(files)
+        new = balanced_parts(lc.costs, lc.stages, stage_fixed=lc.stage_fixed_seconds)
+    except (UserError, OSError, ValueError, KeyError) as exc:
+        raise InputFileError(f"layer costs beside the metrics ({files[0].parent}): {exc}; "
+                             "move them away to advise without them") from None
+    if new == lc.parts:
+        return None
+    old_t = stage_times(lc.costs, lc.parts, lc.stage_fixed_seconds)
+    new_t = stage_times(lc.costs, new, lc.stage_fixed_seconds)
+    moved = describe_moves(lc.parts, new, lc.names)
+    note = (f"from measured layer costs ({len(files)} layer-costs file(s)): slowest stage "
+            f"{max(old_t):.3g} s -> {max(new_t):.3g} s, imbalance {imbalance(old_t):.2f} -> "
+            f"{imbalance(new_t):.2f}; {moved}; DeepSpeed's methods cannot take a parts list: "
+            "autotune run tries it, or use the nearest type:/uniform setting")
+    return Change(kind="advice", target="PipelineModule parts", current=list(lc.parts), new=new, note=note)
