@@ -17,7 +17,13 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-from autotune.advisor.signals import ALL_SIGNALS, FRAGMENTATION_NOT_AVAILABLE, RankValue, SignalSet
+from autotune.advisor.signals import (
+    ALL_SIGNALS,
+    FRAGMENTATION_NOT_AVAILABLE,
+    LEAD_SIGNALS,
+    RankValue,
+    SignalSet,
+)
 from autotune.errors import InputFileError
 from autotune.loaders.detect import read_rows
 
@@ -117,5 +123,7 @@ def _signals(trial: str, s: dict[str, dict[Key, list[float]]]) -> SignalSet:
     if "frag" not in s:
         unavailable["memory_fragmentation_ratio"] = FRAGMENTATION_NOT_AVAILABLE
     t = _int(trial)
+    # The exported stage imbalance answers the bottleneck question; the device lead is for logs without it.
     return SignalSet(subject=f"trial {trial}" if trial else "prometheus export", kind="metrics", trial=t,
-                     values=values, per_rank=per_rank, unavailable=unavailable)
+                     values=values, per_rank=per_rank, unavailable=unavailable,
+                     not_needed=frozenset(LEAD_SIGNALS) if "imbalance" in s else frozenset())
