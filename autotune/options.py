@@ -70,15 +70,44 @@ class WorkloadOptions:
     metrics_port: int | None = option(None, "Base port of the rank endpoints (set from --rank-metrics-port).",
                                       lo=1, hi=65535, unit="port", cli=False)
     metrics_addr: str = option("127.0.0.1", "Bind address of the rank endpoints.", cli=False)
+    model: str | None = option(None, "Your own pipeline: MODULE:FUNCTION, FUNCTION(num_stages, seed) returning a "
+                               "deepspeed PipelineModule (docs/warm-workers.md).", group="workload", cli_type=str)
     workers: str = option("warm", "Trial processes: warm (the ranks stay alive between trials, a fresh "
                           "engine per trial; docs/warm-workers.md) or fresh (a new launch per trial).",
                           group="workload")
     faults: str = option("", "Test hook: inject faults, KIND[@TRIAL],... (autotune/faults.py).",
                          flag="--fault", hidden=True, group="workload", show_default=False)
+    # DeepSpeed's launcher options, spelled as `deepspeed` spells them (autotune/multinode.py,
+    # docs/multi-node.md); passed through to every trial's launcher command.
+    hostfile: str | None = option(None, "DeepSpeed hostfile (HOST slots=N per line): trials run on its hosts.",
+                                  flag="--hostfile", group="launcher", cli_type=str)
+    include: str = option("", "DeepSpeed --include NODE_SPEC[@NODE_SPEC...] (hosts/slots to use).",
+                          flag="--include", group="launcher", show_default=False)
+    exclude: str = option("", "DeepSpeed --exclude NODE_SPEC[@NODE_SPEC...] (hosts/slots to skip).",
+                          flag="--exclude", group="launcher", show_default=False)
+    num_nodes: int | None = option(None, "DeepSpeed --num_nodes: the first N hosts of the hostfile.",
+                                   flag="--num_nodes", lo=1, hi=100_000, group="launcher")
+    num_gpus: int | None = option(None, "DeepSpeed --num_gpus: slots used per host.", flag="--num_gpus",
+                                  lo=1, hi=100_000, group="launcher")
+    master_addr: str | None = option(None, "DeepSpeed --master_addr (default: the first host's address).",
+                                     flag="--master_addr", group="launcher", cli_type=str)
+    launcher: str = option("pdsh", "DeepSpeed --launcher for multi-node trials: pdsh, openmpi, mpich, "
+                           "impi, mvapich, slurm.", flag="--launcher", group="launcher")
+    launcher_args: str = option("", "DeepSpeed --launcher_args (passed to pdsh/mpirun/srun).",
+                                flag="--launcher_args", group="launcher", show_default=False)
+    ssh_port: int | None = option(None, "DeepSpeed --ssh_port for pdsh.", flag="--ssh_port", lo=1,
+                                  hi=65535, unit="port", group="launcher")
 
     @property
     def world_size(self) -> int:
         return self.pipeline_stages * self.data_parallel_size
+
+    def launcher_options(self):
+        from autotune.multinode import LauncherOptions
+
+        return LauncherOptions(hostfile=self.hostfile, include=self.include, exclude=self.exclude,
+                               num_nodes=self.num_nodes, num_gpus=self.num_gpus, master_addr=self.master_addr,
+                               launcher=self.launcher, launcher_args=self.launcher_args, ssh_port=self.ssh_port)
 
     def fault_for(self, trial: int) -> str | None:
         from autotune.faults import fault_for

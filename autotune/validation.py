@@ -60,7 +60,7 @@ def validate(opts: RunOptions, *, built_in: bool = True) -> None:
     parse_faults(wl.faults)
     preset = get_preset(wl.preset)
     preset_layers = preset.num_layers + 2
-    if built_in and wl.pipeline_stages > preset_layers:
+    if built_in and not wl.model and wl.pipeline_stages > preset_layers:
         raise UserError(f"--stages {wl.pipeline_stages} exceeds the {preset_layers} layers of preset {wl.preset}")
     if wl.tokens is not None:
         from autotune.workload.data import load_token_file
@@ -69,6 +69,10 @@ def validate(opts: RunOptions, *, built_in: bool = True) -> None:
             raise UserError(f"{wl.tokens}: token file is shorter than one sequence "
                             f"({preset.seq_length + 1} tokens); give a longer file")
         wl.tokens = str(Path(wl.tokens).resolve())  # the ranks run in another working directory
+    if wl.model is not None and built_in:  # last: it imports the user's code in a subprocess
+        from autotune.workload.user_model import check_model
+
+        check_model(wl.model, seed=wl.seed)
 
 
 def _layer_count(preset: str) -> int:

@@ -64,7 +64,9 @@ def master_port(study: Path, number: int) -> int | None:
 def test_controller_killed_at_several_points_resumes_to_the_budget(tmp_path):
     cfg = write_config(tmp_path)
     study = tmp_path / "st"
-    args = ["run", "--budget", "3", "--study", "st", "--config", str(cfg), *FAST]
+    # fresh processes: this test kills the controller in the middle of a trial and needs the
+    # orphaned ranks to run on (warm trials last a second; tests/test_warm_workers.py kills those)
+    args = ["run", "--budget", "3", "--study", "st", "--config", str(cfg), *FAST, "--workers", "fresh"]
 
     # 1. a real SIGKILL at a random moment while trial 1 runs: its ranks are orphaned
     proc = start_cli(*args, cwd=tmp_path)
@@ -152,7 +154,8 @@ def test_controller_killed_during_the_resume_clean_up_leaves_no_shm_buffers(tmp_
     """
     cfg = write_config(tmp_path)
     study = tmp_path / "st"
-    args = ["run", "--budget", "1", "--study", "st", "--config", str(cfg), *FAST]
+    # fresh processes: warm ranks see their controller die and remove their buffers themselves
+    args = ["run", "--budget", "1", "--study", "st", "--config", str(cfg), *FAST, "--workers", "fresh"]
 
     # 1. the controller dies right after storing trial 0's group and port; its ranks run on
     proc = start_cli(*args, cwd=tmp_path, env={"AUTOTUNE_TEST_CRASH_AT": "during-trial:0"})

@@ -86,10 +86,16 @@ def run_trial(spec: TrialSpec, *, release: bool = False) -> TrialRun:
         return TrialRun(exit_code=0, losses=losses)
     preset = get_preset(wl.preset)
     torch.manual_seed(wl.seed)  # the same seed in every trial, warm or fresh: the same model and data
-    module = build_pipeline_module(
-        preset, stages=wl.pipeline_stages, partition_method=wl.partition_method,
-        activation_checkpoint_interval=wl.activation_checkpoint_interval, seed=wl.seed,
-    )
+    user_batches = None
+    if wl.model:  # the user's own PipelineModule (autotune/workload/user_model.py)
+        from autotune.workload.user_model import build_user_pipeline
+
+        module, user_batches = build_user_pipeline(wl.model, num_stages=wl.pipeline_stages, seed=wl.seed)
+    else:
+        module = build_pipeline_module(
+            preset, stages=wl.pipeline_stages, partition_method=wl.partition_method,
+            activation_checkpoint_interval=wl.activation_checkpoint_interval, seed=wl.seed,
+        )
     if wl.slow_layer is not None:  # test hook: before the layer-cost hooks, which then time it
         from autotune.workload.slowdown import stretch_layer
 
@@ -114,11 +120,12 @@ def run_trial(spec: TrialSpec, *, release: bool = False) -> TrialRun:
             from autotune.layer_costs import attach
 
             attach(probe, os.path.dirname(spec.metrics_csv))
-        tokens = (load_token_file(wl.tokens, preset.vocab_size) if wl.tokens
-                  else synthetic_tokens(preset.vocab_size, 200_000, seed=wl.seed))
+        tokens = (None if user_batches is not None else load_token_file(wl.tokens, preset.vocab_size)
+                  if wl.tokens else synthetic_tokens(preset.vocab_size, 200_000, seed=wl.seed))
         dp_rank = engine.grid.get_data_parallel_rank()
-        data = batches(tokens, micro_batch=engine.train_micro_batch_size_per_gpu(),
-                       seq=preset.seq_length, seed=wl.seed + dp_rank)
+        micro = engine.train_micro_batch_size_per_gpu()
+        data = (iter(user_batches(micro, wl.seed + dp_rank)) if user_batches is not None
+                else batches(tokens, micro_batch=micro, seq=preset.seq_length, seed=wl.seed + dp_rank))
         code = _train(spec, engine, data, rank, losses, inject_rank_fault)
         if code == 0:
             probe.close_sinks()
