@@ -28,6 +28,9 @@ class LaunchSpec:
     env: dict[str, str] = field(default_factory=dict)
     launcher: list[str] = field(default_factory=lambda: [sys.executable, "-m", "deepspeed.launcher.runner"])
     script: Path = TRAIN_SCRIPT
+    cluster_args: list[str] | None = None
+    """DeepSpeed launcher options that place the ranks (--hostfile, --include, --launcher, ...;
+    autotune/multinode.py); None: `--num_gpus num_ranks` on this machine."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -64,7 +67,8 @@ def accelerator_env() -> dict[str, str]:
 
 
 def build_command(spec: LaunchSpec, master_port: int) -> list[str]:
-    return [*spec.launcher, "--num_gpus", str(spec.num_ranks), "--no_local_rank",
+    place = ["--num_gpus", str(spec.num_ranks)] if spec.cluster_args is None else spec.cluster_args
+    return [*spec.launcher, *place, "--no_local_rank",
             "--master_port", str(master_port), str(spec.script), *spec.script_args]
 
 

@@ -64,6 +64,7 @@ def tune(opts: RunOptions, display: ProgressDisplay | None = None, *,
     job = prepare_user_job(opts, command, display.note) if command else None  # sets config, stages, dp
     base, space = prepare(opts, built_in=job is None)
     check_precision(base)  # a precision the devices lack would fail every trial alike
+    cluster = _cluster(opts, display)  # hostfile, slots, launcher, hosts: checked before the study
     study, stored = open_study(opts)
     exporter = None
     try:
@@ -72,6 +73,7 @@ def tune(opts: RunOptions, display: ProgressDisplay | None = None, *,
             base = load_base_config(opts)
             check_precision(base)  # ask again for the stored config, before anything is written
             space = build_space(opts, base)
+            cluster = _cluster(opts, display)
         job = attach_user_job(study, job)  # a resumed study of a user's command finds it here
         if job is not None:
             space = job.space(opts, base)
@@ -91,7 +93,7 @@ def tune(opts: RunOptions, display: ProgressDisplay | None = None, *,
                      f"budget {opts.budget}")
         display.note(f"space: {space.describe()}")
         exporter = _live_metrics(opts, display, study)
-        runner = job.runner(opts, base) if job else TrialRunner(wl, base, note=display.note)
+        runner = job.runner(opts, base) if job else TrialRunner(wl, base, note=display.note, cluster=cluster)
         tuner = Tuner(study=study, runner=runner, space=space, proposer=proposer,
                       baseline=baseline, display=display, budget=opts.budget,
                       trial_timeout=opts.trial_timeout, rules_fired=fired, exporter=exporter)
@@ -103,6 +105,17 @@ def tune(opts: RunOptions, display: ProgressDisplay | None = None, *,
         if exporter is not None:
             exporter.close()
         study.close()
+
+
+def _cluster(opts: RunOptions, display: ProgressDisplay):
+    """The nodes of a run with DeepSpeed launcher options (autotune/multinode.py), else None."""
+    from autotune.multinode import resolve_cluster
+
+    cluster = resolve_cluster(opts.workload.launcher_options(), opts.workload.world_size)
+    if cluster is not None:
+        how = f"multi-node through {cluster.options.launcher}" if cluster.multi_node else "one node"
+        display.note(f"nodes: {cluster.describe()} ({how})")
+    return cluster
 
 
 def _store_meta(study: Study, opts: RunOptions, space: SearchSpace) -> None:

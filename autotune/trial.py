@@ -13,6 +13,7 @@ from autotune.dsconfig import DsConfig
 from autotune.faults import CONTROLLER_FAULTS, RANK_FAULTS
 from autotune.judge import TrialOutcome, failed, judge
 from autotune.launcher import LaunchOutcome, LaunchSpec, TrialProcess
+from autotune.multinode import Cluster, cluster_args, node_env, stop_on_nodes
 from autotune.options import WorkloadOptions
 from autotune.space import TrialConfig
 from autotune.workers import WarmWorkers, fresh_reason
@@ -23,10 +24,14 @@ class TrialRunner:
     """Runs trials of one workload; `on_start` receives the process (to record its group id)."""
 
     def __init__(self, workload: WorkloadOptions, base_config: DsConfig, *,
-                 launcher: list[str] | None = None, note: Callable[[str], None] | None = None) -> None:
+                 launcher: list[str] | None = None, note: Callable[[str], None] | None = None,
+                 cluster: Cluster | None = None) -> None:
         self.workload = workload
         self.base_config = base_config
         self.launcher = launcher
+        self.cluster = cluster
+        """Where the ranks run (autotune/multinode.py); None: this machine, stages x dp ranks."""
+        self._cluster_args = cluster_args(cluster) if cluster is not None else None
         self.warm: WarmWorkers | None = None
         if workload.workers == "warm":
             self.warm = WarmWorkers(workload.world_size, launcher=launcher, note=note)
@@ -38,6 +43,8 @@ class TrialRunner:
 
     def _fresh_because(self, fault: str | None, ds_config: dict) -> str | None:
         """Why this trial runs in fresh processes although the study asks for warm workers."""
+        if self.cluster is not None:  # the pool is launched with --num_gpus on this machine only
+            return "DeepSpeed launcher options (--hostfile, ...) are given: every trial runs in fresh processes"
         if fault in CONTROLLER_FAULTS:
             return f"the injected fault {fault!r} is a launch fault: this trial runs in fresh processes"
         why = fresh_reason(ds_config, self.workload.activation_checkpoint_interval)
@@ -70,6 +77,10 @@ class TrialRunner:
         )
         if self.launcher is not None:
             spec.launcher = list(self.launcher)
+        spec.cluster_args = self._cluster_args
+        multi_node = self.cluster is not None and self.cluster.multi_node
+        if multi_node:  # the other nodes' ranks get their environment through DeepSpeed's env file
+            spec.env.update(node_env(trial_dir))
         if fault == "nolauncher":
             spec.launcher = [str(trial_dir / "no-such-launcher")]
         elif fault == "noscript":
@@ -98,6 +109,8 @@ class TrialRunner:
             rc, timed_out = proc.wait()
         finally:
             proc.stop(grace=2.0)  # ranks the launcher left behind, or a Ctrl-C: the whole group goes
+            if multi_node:  # ranks on the nodes are sshd's children, not in the launcher's group
+                stop_on_nodes(self.cluster, str(trial_dir), master_port=proc.master_port)
         outcome = LaunchOutcome(returncode=rc, timed_out=timed_out,
                                 wall_seconds=time.monotonic() - proc.started, log_path=spec.log_path)
         return judge(outcome, trial_dir, timeout)

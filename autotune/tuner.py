@@ -159,6 +159,14 @@ class Tuner:
         found = stop_leftovers(t.pgid, marker)
         if found:
             self.display.note(f"stopped {found} leftover process(es) of interrupted trial {t.number}")
+        cluster = getattr(self.runner, "cluster", None)
+        if cluster is not None and cluster.multi_node:  # the other nodes' ranks, found by the same marker
+            from autotune.multinode import stop_on_nodes
+
+            for port in ports or {None}:
+                missed = stop_on_nodes(cluster, marker, master_port=port)
+            if missed:
+                self.display.note(f"could not reach {', '.join(missed)} to stop trial {t.number}'s ranks there")
         for port in ports:
             remove_shm_buffers(port)
 

@@ -1,0 +1,278 @@
+"""Trials across nodes, through DeepSpeed's own multi-node launchers (pdsh, openmpi, slurm, ...).
+
+autotune does not launch remote processes itself: every trial is one `deepspeed` launcher
+command with the user's `--hostfile`, `--include`/`--exclude`, `--num_nodes`, `--num_gpus`,
+`--master_addr`, `--launcher` and `--launcher_args` passed through. What this module adds is
+what a tuning run needs around that command:
+
+- the checks before the first trial (`resolve_cluster`): the hostfile read with DeepSpeed's
+  own parser and filters, its slots against stages x dp, the launcher's binary installed,
+  each host reachable over ssh the way pdsh will connect (PDSH_SSH_ARGS_APPEND, --ssh_port);
+- the environment every node's ranks need (`write_node_env`): DeepSpeed's multi-node
+  runners export only a few variable prefixes (PYTHON*, MLFLOW*, ...) plus the lines of a
+  `.deepspeed_env` file, so autotune writes one such file per trial (the user's own lines
+  first) and points DeepSpeed at it with DS_ENV_FILE;
+- stopping a trial on every node (`stop_on_nodes`): the local launcher's process group holds
+  only pdsh/ssh (or mpirun/srun); ranks on other nodes are found by the trial folder on their
+  command line, which is also how a resumed study finds leftovers.
+
+The study folder must be on a filesystem every node sees under the same path (NFS, Lustre,
+a cluster's home): each rank writes its metrics CSV into the trial folder and reads its
+trial description from there. That is how clusters that run DeepSpeed already work (the
+script and the config are read from shared storage too), and it keeps the rank side the
+same as on one machine. docs/multi-node.md says so to the user.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import subprocess
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+from autotune.errors import UserError
+
+ENV_FILE_NAME = "deepspeed_env"
+"""Per-trial `.deepspeed_env` (DS_ENV_FILE): the variables the ranks of every node get."""
+
+LAUNCHER_BINARIES = {"pdsh": "pdsh", "openmpi": "ompi_info", "mpich": "mpirun", "impi": "mpirun",
+                     "mvapich": "mpiname", "slurm": "sinfo"}
+"""The binary each DeepSpeed launcher backend checks for (multinode_runner.py backend_exists)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LauncherOptions:
+    """DeepSpeed launcher options of a run, spelled as `deepspeed` spells them."""
+
+    hostfile: str | None = None
+    include: str = ""
+    exclude: str = ""
+    num_nodes: int | None = None
+    num_gpus: int | None = None
+    master_addr: str | None = None
+    launcher: str = "pdsh"
+    launcher_args: str = ""
+    ssh_port: int | None = None
+
+    @property
+    def given(self) -> bool:
+        """Anything beyond a one-machine launch of exactly stages x dp ranks."""
+        return bool(self.hostfile or self.include or self.exclude or self.num_nodes is not None
+                    or self.num_gpus is not None
+                    or self.master_addr or self.launcher_args or self.launcher != "pdsh"
+                    or self.ssh_port is not None)
+
+    def argv(self) -> list[str]:
+        """The options as `deepspeed` takes them (before the script)."""
+        out: list[str] = []
+        for flag, value in (("--hostfile", self.hostfile), ("--include", self.include),
+                            ("--exclude", self.exclude), ("--num_nodes", self.num_nodes),
+                            ("--num_gpus", self.num_gpus), ("--master_addr", self.master_addr),
+                            ("--launcher_args", self.launcher_args), ("--ssh_port", self.ssh_port)):
+            if value not in (None, ""):
+                out += [flag, str(value)]
+        if self.launcher != "pdsh":
+            out += ["--launcher", self.launcher]
+        return out
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Cluster:
+    """Where a trial's ranks run: host -> slot count, in DeepSpeed's rank order."""
+
+    hosts: OrderedDict[str, int]
+    options: LauncherOptions
+
+    @property
+    def world_size(self) -> int:
+        return sum(self.hosts.values())
+
+    @property
+    def multi_node(self) -> bool:
+        return len(self.hosts) > 1
+
+    def host_of_rank(self, rank: int) -> str:
+        """DeepSpeed numbers ranks node by node in hostfile order (launch.py's world_info)."""
+        first = 0
+        for host, slots in self.hosts.items():
+            if rank < first + slots:
+                return host
+            first += slots
+        raise ValueError(f"rank {rank} is outside the cluster's {self.world_size} slots")
+
+    def describe(self) -> str:
+        return ", ".join(f"{h}:{n}" for h, n in self.hosts.items())
+
+
+def resolve_cluster(opts: LauncherOptions, world_size: int, *, check_hosts: bool = True) -> Cluster | None:
+    """The cluster a run's trials use, checked before any trial; None for a plain local launch.
+
+    Every problem is one UserError: an unreadable or malformed hostfile, filters that leave
+    other than stages x dp slots, a launcher that is not installed, a host ssh cannot reach.
+    """
+    if not opts.given:
+        return None
+    if opts.num_gpus is not None and opts.hostfile is None and opts.num_gpus != world_size:
+        raise UserError(f"--num_gpus {opts.num_gpus} on one machine gives {opts.num_gpus} ranks; the run "
+                        f"needs stages x dp = {world_size}")
+    if (opts.include or opts.exclude) and (opts.num_nodes is not None or opts.num_gpus is not None):
+        raise UserError("--num_nodes/--num_gpus cannot be combined with --include/--exclude "
+                        "(the deepspeed launcher refuses it too)")
+    if opts.launcher not in LAUNCHER_BINARIES:
+        raise UserError(f"--launcher {opts.launcher!r} is not one of DeepSpeed's: "
+                        f"{', '.join(sorted(LAUNCHER_BINARIES))}")
+    pool = _read_hostfile(opts.hostfile) if opts.hostfile else OrderedDict(localhost=world_size)
+    hosts = _apply_filters(pool, opts)
+    cluster = Cluster(hosts=hosts, options=opts)
+    if cluster.world_size != world_size:
+        raise UserError(f"the hostfile{' and filters' if opts.include or opts.exclude or opts.num_nodes else ''} "
+                        f"give {cluster.world_size} slots ({cluster.describe()}); the run needs "
+                        f"stages x dp = {world_size}: change --stages/--dp or the slots")
+    if cluster.multi_node:
+        binary = LAUNCHER_BINARIES[opts.launcher]
+        if shutil.which(binary) is None:
+            raise UserError(f"--launcher {opts.launcher} needs {binary!r}, which is not installed here "
+                            f"(on Debian: apt-get install {_DEBIAN_PACKAGE.get(opts.launcher, binary)})")
+        if check_hosts and opts.launcher == "pdsh":
+            for host in hosts:
+                _check_ssh(host, opts.ssh_port)
+    return cluster
+
+
+_DEBIAN_PACKAGE = {"pdsh": "pdsh", "openmpi": "openmpi-bin", "mpich": "mpich", "slurm": "slurm-client"}
+
+
+def _read_hostfile(path: str) -> OrderedDict[str, int]:
+    from deepspeed.launcher.runner import _parse_hostfile  # DeepSpeed's own reading of the format
+
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except FileNotFoundError:
+        raise UserError(f"--hostfile {path}: no such file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserError(f"--hostfile {path}: cannot be read ({getattr(exc, 'strerror', None) or exc})") from None
+    try:
+        return _parse_hostfile(lines)
+    except ValueError as exc:
+        raise UserError(f"--hostfile {path}: {exc} (one 'HOST slots=N' per line)") from None
+
+
+def _apply_filters(pool: OrderedDict[str, int], opts: LauncherOptions) -> OrderedDict[str, int]:
+    """DeepSpeed's --include/--exclude and --num_nodes/--num_gpus, applied as its runner applies them."""
+    from deepspeed.launcher.runner import apply_num_nodes_and_gpus, parse_inclusion_exclusion
+
+    try:
+        active = parse_inclusion_exclusion(pool, opts.include, opts.exclude)
+        active = apply_num_nodes_and_gpus(active, -1 if opts.num_nodes is None else opts.num_nodes,
+                                          -1 if opts.num_gpus is None else opts.num_gpus)
+    except (ValueError, KeyError) as exc:
+        raise UserError(f"--include/--exclude: {exc}") from None
+    return OrderedDict((h, len(slots)) for h, slots in active.items() if slots)
+
+
+def ssh_command(host: str, ssh_port: int | None) -> list[str]:
+    """ssh to `host` as pdsh will: its extra arguments (PDSH_SSH_ARGS_APPEND) and --ssh_port."""
+    extra = shlex.split(os.environ.get("PDSH_SSH_ARGS_APPEND", ""))
+    port = ["-p", str(ssh_port)] if ssh_port is not None else []
+    return ["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=10", *extra, *port, host]
+
+
+def _check_ssh(host: str, ssh_port: int | None) -> None:
+    try:
+        r = subprocess.run([*ssh_command(host, ssh_port), "true"], capture_output=True, text=True, timeout=30)
+    except FileNotFoundError:
+        raise UserError("multi-node trials need ssh (apt-get install openssh-client)") from None
+    except subprocess.TimeoutExpired:
+        raise UserError(f"host {host} did not answer ssh within 30 s; check the hostfile and the network") from None
+    if r.returncode != 0:
+        why = (r.stderr.strip().splitlines() or [f"exit {r.returncode}"])[-1]
+        raise UserError(f"host {host} cannot be reached over ssh ({why}); pdsh needs passwordless ssh "
+                        "to every host of the hostfile")
+
+
+def node_env_lines(env: dict[str, str], *, cwd: Path | None = None) -> list[str]:
+    """The `.deepspeed_env` lines for a trial: the user's own files first (DS_ENV_FILE replaces
+    their name, so they would otherwise be dropped), then what autotune's ranks need."""
+    lines: list[str] = []
+    name = os.environ.get("DS_ENV_FILE", ".deepspeed_env")
+    for folder in (Path.home(), cwd or Path.cwd()):
+        f = folder / name
+        if f.is_file():
+            lines += [ln.rstrip("\n") for ln in f.read_text(encoding="utf-8").splitlines() if "=" in ln]
+    lines += [f"{k}={v}" for k, v in env.items()]
+    return lines
+
+
+def rank_env() -> dict[str, str]:
+    """What every node's ranks need from the controller's environment: DS_ACCELERATOR only when
+    the user set it (a login node without GPUs must not make GPU nodes run on CPU), autotune's
+    own AUTOTUNE_* settings, and one torch thread per rank unless the user chose otherwise."""
+    env = {k: v for k, v in os.environ.items() if k.startswith("AUTOTUNE_") or k == "DS_ACCELERATOR"}
+    env.setdefault("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))
+    return env
+
+
+def node_env(trial_dir: Path, extra: dict[str, str] | None = None, *, cwd: Path | None = None) -> dict[str, str]:
+    """Write the trial's env file; returns the launcher-side variable that points DeepSpeed at it."""
+    path = trial_dir / ENV_FILE_NAME
+    lines = node_env_lines({**rank_env(), **(extra or {})}, cwd=cwd)
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return {"DS_ENV_FILE": str(path)}  # absolute: os.path.join(home, abs) is abs in DeepSpeed's runner
+
+
+def cluster_args(cluster: Cluster) -> list[str]:
+    """The launcher options of every trial on `cluster`. A multi-node pdsh launch gets the master
+    address resolved and `--no_ssh_check`: autotune checked each host itself, the way pdsh
+    connects (DeepSpeed's own check and address lookup call plain `ssh HOST` and ignore
+    PDSH_SSH_ARGS_APPEND)."""
+    opts = cluster.options
+    args = opts.argv()
+    if cluster.multi_node and opts.launcher == "pdsh":
+        if not opts.master_addr:
+            args += ["--master_addr", master_address(next(iter(cluster.hosts)), opts.ssh_port)]
+        args.append("--no_ssh_check")
+    return args
+
+
+def master_address(host: str, ssh_port: int | None) -> str:
+    """The first address of `host` (`hostname -I` there, as DeepSpeed's runner asks it)."""
+    try:
+        r = subprocess.run([*ssh_command(host, ssh_port), "hostname", "-I"], capture_output=True,
+                           text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        r = None
+    words = r.stdout.split() if r is not None and r.returncode == 0 else []
+    if not words:
+        raise UserError(f"cannot find the address of {host} (`hostname -I` over ssh); give --master_addr")
+    return words[0]
+
+
+def stop_on_nodes(cluster: Cluster, marker: str, *, master_port: int | None = None,
+                  timeout: float = 30.0) -> list[str]:
+    """SIGKILL every process on the cluster's hosts whose command line names `marker` (the trial
+    folder), over ssh the way pdsh connects. Returns the hosts that could not be reached.
+
+    A multi-node trial's ranks are children of each node's sshd, not of the local launcher, so
+    stopping the launcher's process group does not reach them; DeepSpeed's own pdsh kill
+    command runs only when its runner gets SIGINT/SIGTERM and lives long enough to send it.
+    With `master_port`, the trial's /dev/shm buffers on each node go too (launcher.py says why).
+    """
+    pattern = "[" + marker[0] + "]" + marker[1:]  # a regex that matches the marker but not itself
+    remote = f"pkill -9 -f {shlex.quote(pattern)}; rc=$?"
+    if master_port is not None:
+        remote += f"; sleep 0.5; rm -f /dev/shm/deepspeed_allreduce_buffer_*_{int(master_port)}_*"
+    remote += "; exit $rc"
+    missed = []
+    for host in cluster.hosts:
+        try:
+            r = subprocess.run([*ssh_command(host, cluster.options.ssh_port), remote],
+                               capture_output=True, timeout=timeout)
+        except (OSError, subprocess.TimeoutExpired):
+            missed.append(host)
+            continue
+        if r.returncode not in (0, 1):  # pkill: 1 = nothing matched
+            missed.append(host)
+    return missed

@@ -1,0 +1,237 @@
+"""Trials through DeepSpeed's own multi-node launchers (autotune/multinode.py).
+
+The checks before the first trial are tested in-process; the real runs go through DeepSpeed's
+hostfile path on this machine, and through its pdsh runner to "two nodes" that are both this
+machine (`localhost` and `127.0.0.1`, reached over a private sshd: tests/ssh_cluster.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import ssh_cluster
+from robust_helpers import alive_under, rows, start_cli, write_config
+
+from autotune.errors import UserError
+from autotune.launcher import processes_with
+from autotune.multinode import (
+    ENV_FILE_NAME,
+    LauncherOptions,
+    cluster_args,
+    node_env,
+    resolve_cluster,
+    stop_on_nodes,
+)
+
+TWO_NODES = "localhost slots=2\n127.0.0.1 slots=2\n"
+
+
+def _hostfile(tmp_path: Path, text: str) -> str:
+    p = tmp_path / "hostfile"
+    p.write_text(text)
+    return str(p)
+
+
+# --- before the first trial --------------------------------------------------------------------
+
+def test_no_launcher_options_is_a_plain_local_launch():
+    assert resolve_cluster(LauncherOptions(), 4) is None
+
+
+def test_one_node_hostfile_gives_its_slots(tmp_path):
+    cluster = resolve_cluster(LauncherOptions(hostfile=_hostfile(tmp_path, "localhost slots=4\n")), 4)
+    assert cluster is not None and not cluster.multi_node
+    assert cluster_args(cluster) == ["--hostfile", str(tmp_path / "hostfile")]
+
+
+def test_ranks_are_numbered_node_by_node(tmp_path):
+    if not _has("pdsh"):
+        pytest.skip("pdsh not installed (apt-get install pdsh)")
+    hf = _hostfile(tmp_path, "# two nodes\nnode-a slots=2\n\nnode-b slots=3\n")
+    cluster = resolve_cluster(LauncherOptions(hostfile=hf), 5, check_hosts=False)
+    assert [cluster.host_of_rank(r) for r in range(5)] == ["node-a"] * 2 + ["node-b"] * 3
+    with pytest.raises(ValueError):
+        cluster.host_of_rank(5)
+
+
+def _has(binary: str) -> bool:
+    import shutil
+
+    return shutil.which(binary) is not None
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("", "empty"),
+    ("localhost 4\n", "bad entry"),
+    ("localhost slots=2\nlocalhost slots=2\n", "multiple entries"),
+])
+def test_malformed_hostfile_is_one_line_with_deepspeeds_reason(tmp_path, text, needle):
+    with pytest.raises(UserError, match=needle):
+        resolve_cluster(LauncherOptions(hostfile=_hostfile(tmp_path, text)), 4)
+
+
+def test_missing_and_unreadable_hostfile(tmp_path):
+    with pytest.raises(UserError, match="no such file"):
+        resolve_cluster(LauncherOptions(hostfile=str(tmp_path / "nope")), 4)
+    bad = tmp_path / "bin"
+    bad.write_bytes(b"\xff\xfe\x00slots")
+    with pytest.raises(UserError, match="cannot be read"):
+        resolve_cluster(LauncherOptions(hostfile=str(bad)), 4)
+
+
+def test_slots_must_match_stages_times_dp(tmp_path):
+    hf = _hostfile(tmp_path, "localhost slots=6\n")
+    with pytest.raises(UserError, match=r"give 6 slots \(localhost:6\); the run needs stages x dp = 4"):
+        resolve_cluster(LauncherOptions(hostfile=hf), 4)
+    # DeepSpeed's own filters count: --include picks 4 of the 6
+    cluster = resolve_cluster(LauncherOptions(hostfile=hf, include="localhost:0,1,2,3"), 4)
+    assert cluster is not None and cluster.world_size == 4
+    with pytest.raises(UserError, match="--include/--exclude"):
+        resolve_cluster(LauncherOptions(hostfile=hf, include="elsewhere"), 4)
+    with pytest.raises(UserError, match="cannot be combined"):
+        resolve_cluster(LauncherOptions(hostfile=hf, include="localhost", num_nodes=1), 4)
+    with pytest.raises(UserError, match="--num_gpus 2 on one machine"):
+        resolve_cluster(LauncherOptions(num_gpus=2), 4)
+
+
+def test_launcher_not_installed_is_named(tmp_path, monkeypatch):
+    hf = _hostfile(tmp_path, TWO_NODES)
+    monkeypatch.setenv("PATH", str(tmp_path))  # nothing on PATH: no pdsh, no ompi_info
+    with pytest.raises(UserError, match=r"--launcher pdsh needs 'pdsh'.*apt-get install pdsh"):
+        resolve_cluster(LauncherOptions(hostfile=hf), 4)
+    with pytest.raises(UserError, match=r"needs 'ompi_info'.*openmpi-bin"):
+        resolve_cluster(LauncherOptions(hostfile=hf, launcher="openmpi"), 4)
+    with pytest.raises(UserError, match="not one of DeepSpeed's"):
+        resolve_cluster(LauncherOptions(hostfile=hf, launcher="mpiexec"), 4)
+
+
+@pytest.mark.skipif(ssh_cluster.available() is not None, reason=str(ssh_cluster.available()))
+def test_unreachable_host_is_one_line(tmp_path, monkeypatch):
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on: ssh is refused at once
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    monkeypatch.setenv("PDSH_SSH_ARGS_APPEND", f"-p {closed}")
+    with pytest.raises(UserError, match=r"host localhost cannot be reached over ssh \(.*refused"):
+        resolve_cluster(LauncherOptions(hostfile=_hostfile(tmp_path, TWO_NODES)), 4)
+
+
+def test_node_env_file_keeps_the_users_own_lines(tmp_path, monkeypatch):
+    (tmp_path / ".deepspeed_env").write_text("NCCL_IB_DISABLE=1\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    monkeypatch.setenv("AUTOTUNE_TEST_X", "1")
+    trial = tmp_path / "trial-000"
+    trial.mkdir()
+    env = node_env(trial, cwd=tmp_path)
+    assert env == {"DS_ENV_FILE": str(trial / ENV_FILE_NAME)}
+    lines = (trial / ENV_FILE_NAME).read_text().splitlines()
+    assert lines[0] == "NCCL_IB_DISABLE=1"  # theirs first: DS_ENV_FILE replaces the file's name
+    assert {"DS_ACCELERATOR=cpu", "AUTOTUNE_TEST_X=1", "OMP_NUM_THREADS=1"} <= set(lines)
+
+
+def test_cli_refuses_a_bad_hostfile_before_any_study(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "autotune", "run", "--budget", "1", "--study", "st",
+                        "--hostfile", "missing-hostfile"], cwd=tmp_path, capture_output=True, text=True)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip().splitlines() == ["autotune: error: --hostfile missing-hostfile: no such file"]
+    assert not (tmp_path / "st").exists()
+
+
+# --- real runs ---------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def two_nodes(tmp_path_factory):
+    why = ssh_cluster.available()
+    if why is not None:
+        pytest.skip(why)
+    cluster = ssh_cluster.start(tmp_path_factory.mktemp("sshd"))
+    yield cluster
+    cluster.stop()
+
+
+def _env(cluster) -> dict:
+    return {**cluster.env, "DS_ACCELERATOR": "cpu"}
+
+
+@pytest.mark.slow
+def test_two_nodes_through_pdsh_tune_and_clean_up(tmp_path, two_nodes):
+    hf = _hostfile(tmp_path, TWO_NODES)
+    cfg = write_config(tmp_path, train_batch_size=16)  # micro 2 x GAS 4 x dp 2
+    common = ["--budget", "1", "--stages", "2", "--dp", "2", "--steps", "2", "--warmup-steps", "1",
+              "--config", str(cfg), "--hostfile", hf, "--trial-timeout", "400"]
+    r = subprocess.run([sys.executable, "-m", "autotune", "run", "--study", "st", *common], cwd=tmp_path,
+                       capture_output=True, text=True, env={**os.environ, **_env(two_nodes)}, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "nodes: localhost:2, 127.0.0.1:2 (multi-node through pdsh)" in r.stdout + r.stderr
+    trial = tmp_path / "st" / "trial-000"
+    assert rows(tmp_path / "st")[0][1] == "ok"
+    log = (trial / "launcher.log").read_text()
+    assert "localhost: " in log and "127.0.0.1: " in log  # pdsh prefixes each node's output
+    for rank in range(4):  # every rank of both nodes wrote its metrics into the shared folder
+        lines = (trial / f"metrics-rank{rank}.csv").read_text().splitlines()
+        assert len(lines) == 1 + 3, (rank, lines)  # header, 1 warm-up and 2 measured steps
+    summary = json.loads((tmp_path / "st" / "summary.json").read_text())
+    assert summary["best"]["samples_per_second"] > 0
+    assert summary["best"]["trial"] == 0
+    assert alive_under(tmp_path / "st") == []
+
+    # Interrupted while the ranks of both nodes run: none is left on either node.
+    proc = start_cli("run", "--study", "st2", *common, cwd=tmp_path, env=_env(two_nodes))
+    trial2 = (tmp_path / "st2" / "trial-000").resolve()
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        cmdlines = [_cmdline(p) for p in processes_with(str(trial2))]
+        if sum("--node_rank=1" in c for c in cmdlines) and sum("train.py" in c for c in cmdlines) >= 4:
+            break
+        assert proc.poll() is None, proc.stdout.read()
+        time.sleep(0.5)
+    else:
+        proc.kill()
+        pytest.fail("the two nodes' ranks never all started")
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, out[-2000:]
+    deadline = time.monotonic() + 10
+    while alive_under(tmp_path / "st2") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert alive_under(tmp_path / "st2") == []
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+@pytest.mark.skipif(ssh_cluster.available() is not None, reason=str(ssh_cluster.available()))
+def test_stop_on_nodes_reaches_processes_started_over_ssh(tmp_path, two_nodes):
+    marker = tmp_path / "trial-007"
+    marker.mkdir()
+    cluster = resolve_cluster(LauncherOptions(hostfile=_hostfile(tmp_path, TWO_NODES)), 4, check_hosts=False)
+    env = {**os.environ, **two_nodes.env}
+    # a "rank" on the second node: a child of that node's sshd, outside any group of ours
+    subprocess.run(["ssh", "-F", str(two_nodes.config), "127.0.0.1",
+                    f"nohup {sys.executable} -c 'import time; time.sleep(300)' {marker}/x >/dev/null 2>&1 &"], env=env, check=True, timeout=30)
+    deadline = time.monotonic() + 10
+    while not processes_with(str(marker)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert processes_with(str(marker)), "the ssh-started process did not start"
+    os.environ["PDSH_SSH_ARGS_APPEND"] = two_nodes.env["PDSH_SSH_ARGS_APPEND"]
+    try:
+        assert stop_on_nodes(cluster, str(marker)) == []
+    finally:
+        del os.environ["PDSH_SSH_ARGS_APPEND"]
+    deadline = time.monotonic() + 10
+    while processes_with(str(marker)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert processes_with(str(marker)) == []
