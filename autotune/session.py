@@ -94,9 +94,18 @@ def tune(opts: RunOptions, display: ProgressDisplay | None = None, *,
         display.note(f"space: {space.describe()}")
         exporter = _live_metrics(opts, display, study)
         runner = job.runner(opts, base) if job else TrialRunner(wl, base, note=display.note, cluster=cluster)
+        balancer = None
+        if wl.balance_stages:  # the partition step (autotune/balance.py); the built-in workload only
+            from autotune.balance import StageBalancer
+
+            if job:
+                display.note("--balance-stages: not available for a user command yet (docs/partition.md)")
+            else:
+                balancer = StageBalancer(runner, study.root, display.note)
         tuner = Tuner(study=study, runner=runner, space=space, proposer=proposer,
                       baseline=baseline, display=display, budget=opts.budget,
-                      trial_timeout=opts.trial_timeout, rules_fired=fired, exporter=exporter)
+                      trial_timeout=opts.trial_timeout, rules_fired=fired, exporter=exporter,
+                      balancer=balancer)
         try:
             return tuner.run()
         finally:

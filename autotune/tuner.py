@@ -81,8 +81,10 @@ class Tuner:
                  baseline: TrialConfig, display: ProgressDisplay, budget: int,
                  trial_timeout: float | None = None,
                  rules_fired: Callable[[TrialSummary], list[str]] | None = None,
-                 exporter: Any | None = None) -> None:
+                 exporter: Any | None = None, balancer: Any | None = None) -> None:
         self.study, self.runner, self.space, self.proposer = study, runner, space, proposer
+        self.balancer = balancer
+        """The partition step (autotune/balance.py), with --balance-stages."""
         self.baseline, self.display, self.budget = baseline, display, budget
         self.trial_timeout = trial_timeout
         self.rules_fired = rules_fired
@@ -138,6 +140,8 @@ class Tuner:
                               f"{len(left)} interrupted trial(s) will be run again")
         done = {t.number for t in finished}
         interrupted = [t for t in self.study.trials() if t.status == STATUS_INTERRUPTED]
+        if self.balancer is not None:
+            self.balancer.replay(finished, [t for t in interrupted if t.number not in done])
         redo, seen = [], set()
         for t in interrupted:
             if t.number not in done and t.number not in seen:
@@ -180,7 +184,8 @@ class Tuner:
         if not any(t.number == 0 for t in self.study.counted()) and 0 not in numbers:
             return 0, Proposal(config=self.baseline, source="baseline",
                                reason="the starting configuration, measured as the reference")
-        return number, self.proposer.ask()
+        balanced = self.balancer.next_proposal() if self.balancer is not None else None
+        return number, balanced or self.proposer.ask()
 
     def _run_one(self, item: tuple[int, Proposal]) -> None:
         number, proposal = item
@@ -194,6 +199,8 @@ class Tuner:
             self.study.set_launch(trial_id, proc.pgid, proc.master_port)
             crash_point("during-trial", number)
 
+        if self.balancer is not None:
+            self.balancer.before(number, proposal)
         with self.display.running(number, cfg, proposal.source):
             outcome = self.runner.run(number, cfg, self.study.trial_dir(number),
                                       timeout=self._timeout(), on_start=record_group)
@@ -208,6 +215,9 @@ class Tuner:
         )
         crash_point("after-finish", number)
         self.proposer.tell(cfg, outcome.result)
+        if self.balancer is not None:
+            self.balancer.after(number, proposal, outcome.result.ok, outcome.result.samples_per_second,
+                                outcome.summary)
         best = self.study.best()
         is_best = best is not None and best.number == number and outcome.result.ok
         self.display.trial_row(number, cfg, proposal.source, outcome.result.status, outcome.summary,
