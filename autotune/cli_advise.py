@@ -18,7 +18,6 @@ import click
 from autotune.advisor import evaluate, load_rules, patch_config
 from autotune.advisor.findings import FIRED, Change, Evidence, Finding
 from autotune.advisor.render import print_table, to_json
-from autotune.advisor.signals import SignalSet
 from autotune.dsconfig import DsConfig, load_ds_config
 from autotune.errors import UserError
 from autotune.fileio import write_atomic
@@ -87,10 +86,9 @@ def advise_command(metrics: tuple[str, ...], config_path: str | None, stages: in
     cfg = load_ds_config(config_path) if config_path else None
     ctx: dict[str, Any] = {"config_name": Path(config_path).name} if config_path else {}
     if cfg is not None and stages is not None and loaded.format == NVIDIA_SMI:
-        devices = {len(s.per_rank.get("device_utilization_mean", [])) for s in loaded.subjects
-                   if isinstance(s, SignalSet)}
-        if len(devices) == 1:  # one rank per device: the batch layout the config means
-            ctx.update(stages=stages, world_size=devices.pop())
+        # The config's micro-batch and GAS with these stages (no world size: a log may be one
+        # node of many): the layout rules get their numbers, the ideal bubble included.
+        ctx["stages"] = stages
     findings = evaluate(loaded.subjects, ds_config=cfg, rules=rules, context=ctx)
     if write_path and cfg is not None:
         _write_json_atomic(Path(write_path), patch_config(cfg, findings))

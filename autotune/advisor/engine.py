@@ -92,7 +92,7 @@ def _with_config(s: SignalSet, cfg: SignalSet | None) -> SignalSet:
         return s
     extra = {k: v for k, v in cfg.values.items() if k.startswith("config.")}
     # A device log knows no batch layout: the config's (with --stages) gives the moves their numbers.
-    extra.update({k: cfg.values[k] for k in LAYOUT_SIGNALS
+    extra.update({k: cfg.values[k] for k in (*LAYOUT_SIGNALS, "bubble_fraction_ideal")
                   if s.values.get(k) is None and cfg.values.get(k) is not None})
     return dataclasses.replace(s, values={**s.values, **extra}, details={**cfg.details, **s.details})
 
