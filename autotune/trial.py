@@ -121,7 +121,7 @@ def prepare_trial_dir(trial_dir: Path, ds_config: dict, *, stale: tuple[str, ...
     `stale` patterns; its log kept aside), with the trial's ds_config.json written in it."""
     trial_dir = trial_dir.resolve()  # absolute in every command line: leftovers are found by it
     trial_dir.mkdir(parents=True, exist_ok=True)
-    for pattern in ("metrics-rank*.csv", *stale):  # a re-run after an interruption starts clean
+    for pattern in ("metrics-rank*.csv", "layer-costs-rank*.csv", *stale):  # a re-run after an interruption starts clean
         for old in trial_dir.glob(pattern):
             old.unlink()
     keep_old_log(trial_dir / "launcher.log")

@@ -51,6 +51,10 @@ class BootstrapSettings:
     metrics_port: int | None = None
     metrics_addr: str = "127.0.0.1"
     job: str = "autotune"
+    layer_costs: bool = False
+    """Time every layer of the PipelineModule (layer-costs-rankR.csv, autotune/layer_costs.py)."""
+    parts: list[int] | None = None
+    """Build every PipelineModule with these stage boundaries (autotune/pipeline_parts.py)."""
 
     @property
     def total_steps(self) -> int:
@@ -107,6 +111,10 @@ class _DeepSpeedFinder(importlib.abc.MetaPathFinder):
 
 
 def _patch(deepspeed: Any, state: _RankState) -> None:
+    if state.settings.parts is not None:  # before the script builds its PipelineModule
+        from autotune.pipeline_parts import force
+
+        force(state.settings.parts)
     original = getattr(deepspeed, "initialize", None)
     if original is None or getattr(original, "_autotune_wrapped", False):
         return
@@ -172,6 +180,10 @@ class _RankState:
         self.probe = instrument(engine, csv_path=str(Path(s.trial_dir) / "metrics-rank{rank}.csv"),
                                 metrics_port=s.metrics_port, metrics_addr=s.metrics_addr, trial=s.trial,
                                 job=s.job, warmup_steps=s.warmup_steps)
+        if s.layer_costs:
+            from autotune.layer_costs import attach
+
+            attach(self.probe, s.trial_dir)
         if s.mode == MODE_WATCH:
             return  # no step limit: the script's own loop decides when it ends
         measured = engine.train_batch  # the probe's timed train_batch

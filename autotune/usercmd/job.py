@@ -59,6 +59,11 @@ class UserJob:
                                  data_parallel_size=wl.data_parallel_size, steps=wl.steps,
                                  warmup_steps=wl.warmup_steps, job=wl.job, metrics_port=wl.metrics_port,
                                  metrics_addr=wl.metrics_addr)
+        runner.layer_costs = wl.layer_costs
+        if wl.partition_method.startswith("parts:"):  # the job's own method is overridden (docs/partition.md)
+            from autotune.partition import parse_parts
+
+            runner.parts = parse_parts(wl.partition_method[len("parts:"):])
 
     def space(self, opts: Any, base: DsConfig):
         """The run's space with the user's model size bounding the bucket range (not a preset's)."""

@@ -169,6 +169,11 @@ def probe_shape(command: UserCommand, *, ds_config: Path, cwd: Path,
 class UserCommandRunner:
     """Runs trials of the user's command; the interface of autotune.trial.TrialRunner."""
 
+    layer_costs: bool = False
+    """Time every layer of the job's PipelineModule (--layer-costs)."""
+    parts: list[int] | None = None
+    """Stage boundaries the job's PipelineModule is built with (--partition-method parts:...)."""
+
     def __init__(self, command: UserCommand, base_config: DsConfig, *, cwd: Path, data_parallel_size: int,
                  steps: int, warmup_steps: int, job: str = "autotune", metrics_port: int | None = None,
                  metrics_addr: str = "127.0.0.1") -> None:
@@ -201,7 +206,7 @@ class UserCommandRunner:
         settings = BootstrapSettings(mode=MODE_TRIAL, trial_dir=str(trial_dir), trial=number,
                                      warmup_steps=self.warmup_steps, steps=self.steps,
                                      metrics_port=self.metrics_port, metrics_addr=self.metrics_addr,
-                                     job=self.job)
+                                     job=self.job, layer_costs=self.layer_costs, parts=self.parts)
         outcome = launch(self.command, ds_config=ds_path, cwd=self.cwd, run_dir=trial_dir,
                          settings=settings, timeout=timeout, on_start=on_start)
         return judge_user_trial(outcome, trial_dir, timeout, steps_needed=settings.total_steps)
