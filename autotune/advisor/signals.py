@@ -115,7 +115,8 @@ def _f(v: int | float | None) -> float | None:
 def from_summary(s: TrialSummary, *, oom: bool | None = None,
                  device_memory_bytes: float | None = None, subject: str | None = None) -> SignalSet:
     """A trial summary as signals. `oom` is the trial outcome when the caller knows it;
-    `subject` names it (default "trial N"; `advise` names a run outside a study by its files)."""
+    `subject` names it (default "trial N", or "this run" outside a study, trial -1; `advise`
+    names it by its files or folder)."""
     values: dict[str, float | None] = {
         "device_utilization_fluctuation": s.device_utilization_fluctuation,
         "cross_device_fluctuation": s.cross_device_fluctuation,
@@ -167,7 +168,8 @@ def from_summary(s: TrialSummary, *, oom: bool | None = None,
         "reduce_bucket_size": "not set, or has no effect in this run",
     }
     details = {"stage_compute_imbalance": stage_share_text(s)}
-    return SignalSet(subject=subject or f"trial {s.trial}", kind="metrics",
+    name = subject or (f"trial {s.trial}" if s.trial >= 0 else "this run (outside a study)")
+    return SignalSet(subject=name, kind="metrics",
                      trial=s.trial if s.trial >= 0 else None, values=values,
                      per_rank=per_rank, unavailable=unavailable, details=details,
                      not_needed=frozenset(LEAD_SIGNALS))
