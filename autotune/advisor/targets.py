@@ -71,7 +71,9 @@ def _trial(move: Move, s: SignalSet) -> Change | None:
             new = math.ceil(gas / p) * p
         cur = gas
     elif cur is None:
-        return _relative(move)
+        # No layout in the input at all (a device log): say the move as a factor. Where the
+        # layout is known, None means the parameter does not act (a bucket under ZeRO-0).
+        return _relative(move) if s.get("micro_batch_size") is None else None
     elif move.compute == "one_bucket":
         # One bucket holds every gradient: the fewest reduction calls. Known only where
         # the model's size is (autotune run); advise falls back to the rule's advice.
