@@ -119,6 +119,12 @@ def test_a_trial_folder_of_a_study_is_trial_n(tmp_path):
     assert {f["subject"] for f in fired(data, "stage-imbalance")} == {"trial 1"}
 
 
+def test_a_file_of_a_trial_folder_is_that_trial(tmp_path):
+    trial = study(tmp_path) / "trial-001"
+    data = advise_json(trial / "metrics-rank0.csv", trial / "metrics-rank1.csv")
+    assert {f["subject"] for f in data["findings"] if f["subject"] != "ds_config"} == {"trial 1"}
+
+
 def test_two_studies_name_their_folder_when_trial_numbers_meet(tmp_path):
     a, b = study(tmp_path / "a"), study(tmp_path / "b")
     data = advise_json(a, b)

@@ -83,16 +83,22 @@ def _expand(arg: str) -> list[_Found]:
     if p.is_dir():
         return _folder(p)
     if p.exists():
-        return [_Found(p, None)]
+        return [_file(p)]
     if GLOB_CHARS.search(arg):
         matches = sorted(glob.glob(arg), key=_natural)
         if not matches:
             raise UserError(f"{arg}: the pattern matches no file")
         out: list[_Found] = []
         for m in matches:
-            out.extend(_folder(Path(m)) if Path(m).is_dir() else [_Found(Path(m), None)])
+            out.extend(_folder(Path(m)) if Path(m).is_dir() else [_file(Path(m))])
         return out
     raise InputFileError(f"{arg}: no such file or folder")
+
+
+def _file(p: Path) -> _Found:
+    """A file named on its own; inside a study's trial-NNN/ folder it is still that trial's."""
+    m = TRIAL_DIR.match(p.resolve().parent.name)
+    return _Found(p, None, int(m.group(1)) if m else None)
 
 
 def _folder(d: Path) -> list[_Found]:
