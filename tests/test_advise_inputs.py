@@ -10,6 +10,8 @@ import click
 import pytest
 from builders import csv_text, record
 from click.testing import CliRunner
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from autotune.cli_advise import advise_command
 
@@ -241,3 +243,32 @@ def test_an_unreadable_file_is_one_line(tmp_path):
     files = write_job(tmp_path / "run")
     files[1].chmod(0)
     one_line_error(run("advise", tmp_path / "run"), "cannot open")
+
+
+KINDS = ["rank0", "rank1", "smi", "prom", "bin", "empty", "folder", "emptydir", "glob", "noglob", "missing"]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.sampled_from(KINDS), min_size=1, max_size=4))
+def test_any_mix_of_inputs_is_advice_or_one_line(tmp_path, kinds):
+    """Whatever mix of files, folders and globs: findings (exit 0) or one clean line (exit 2)."""
+    root = tmp_path / "in"
+    if not root.exists():
+        files = write_job(root / "run", ranks=2)
+        (root / "smi.csv").write_bytes((FIX / "nvidia_smi_2gpu.csv").read_bytes())
+        (root / "prom.csv").write_bytes((FIX / "prometheus_export.csv").read_bytes())
+        (root / "bin.csv").write_bytes(b"\x00" * 64)
+        (root / "empty.csv").write_text("")
+        (root / "emptydir").mkdir()
+        assert files
+    paths = {"rank0": root / "run" / "metrics-rank0.csv", "rank1": root / "run" / "metrics-rank1.csv",
+             "smi": root / "smi.csv", "prom": root / "prom.csv", "bin": root / "bin.csv",
+             "empty": root / "empty.csv", "folder": root / "run", "emptydir": root / "emptydir",
+             "glob": str(root / "run" / "metrics-rank*.csv"), "noglob": str(root / "none-*.csv"),
+             "missing": root / "missing.csv"}
+    r = run("advise", "--format", "json", *(paths[k] for k in kinds))
+    assert r.exception is None or isinstance(r.exception, SystemExit), repr(r.exception)
+    if r.exit_code == 0:
+        assert json.loads(r.output)["findings"]
+    else:
+        assert r.exit_code == 2 and r.output.startswith("autotune: error: ") and r.output.count("\n") == 1, r.output
