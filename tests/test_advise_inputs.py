@@ -180,7 +180,8 @@ def test_write_config_and_html_with_several_inputs(tmp_path):
     new = json.loads(out.read_text())
     assert "partition_method" not in new.get("pipeline", {})  # ignored-pipeline-keys removed it
     html = page.read_text()
-    assert "metrics-rank0.csv + 3 more" in html and "stage-imbalance" in html
+    assert "metrics-rank0.csv + 3 more: micro 4" in html and "stage-imbalance" in html
+    assert "outside a study" not in html  # the job is named by its files
     assert (tmp_path / "advice_figures" / "split-run.svg").is_file()
 
 
@@ -191,6 +192,8 @@ def test_html_of_a_study_folder_draws_every_trial(tmp_path):
     assert r.exit_code == 0, r.output
     assert {p.name for p in (tmp_path / "s_figures").glob("split-*.svg")} == {
         "split-trial-000.svg", "split-trial-001.svg"}
+    html = page.read_text()
+    assert "trial 0: micro 4" in html and "trial 1: micro 4" in html
 
 
 def test_stages_on_a_metrics_csv_is_a_note(tmp_path):

@@ -86,9 +86,10 @@ def write_metrics_report(out: str | Path, metrics: str | Path | Sequence[str | P
     from autotune.report_html.gather import gather_metrics
     from autotune.report_html.page import render_metrics
 
-    subjects = [*getattr(loaded, "summaries", []), *loaded.subjects]
-    data = gather_metrics(inputs[0], list(findings), loaded.format, loaded.notes, subjects,
-                          groups=getattr(loaded, "groups", None))
+    summaries = list(getattr(loaded, "summaries", []))
+    names = [s.subject for s in loaded.subjects] if summaries else None  # advise builds them in step
+    data = gather_metrics(inputs[0], list(findings), loaded.format, loaded.notes, [*summaries, *loaded.subjects],
+                          groups=getattr(loaded, "groups", None), names=names)
     figs = metrics_figures(data.steps, data.device_utilization)
     fig_dir = f"{out.stem}_figures"
     return _write(out, out.parent / fig_dir, fig_dir, lambda href: render_metrics(data, figs, href), figs)

@@ -140,6 +140,8 @@ class MetricsReport:
     """An nvidia-smi log's per-GPU utilization samples (0-1), in file order."""
     label: str = ""
     """The name of several inputs ("FIRST + N more"); empty for one file (its name is used)."""
+    names: list[str] = field(default_factory=list)
+    """Each summary's subject name as `advise` prints it ("trial 3", "run"); empty: by trial number."""
 
 
 # -- opening a study read-only -------------------------------------------------------
@@ -385,7 +387,8 @@ def _config_diff(study: Study, baseline: TrialRow | None, best: TrialRow) -> tup
 
 # -- a metrics file (advise --html) ----------------------------------------------------
 def gather_metrics(path: str | Path, findings: list[Any], fmt: str, notes: list[str],
-                   subjects: list[Any], groups: list[Any] | None = None) -> MetricsReport:
+                   subjects: list[Any], groups: list[Any] | None = None,
+                   names: list[str] | None = None) -> MetricsReport:
     """The page's data for input `advise` already loaded and evaluated: the file `path`, or the
     jobs of a multi-file `advise` (`groups`: `autotune.loaders.inputs.InputGroup`s)."""
     from autotune.loaders.detect import METRICS, NVIDIA_SMI
@@ -397,7 +400,8 @@ def gather_metrics(path: str | Path, findings: list[Any], fmt: str, notes: list[
     report = MetricsReport(source=path, format=fmt, summaries=summaries, steps={},
                            findings=[f for f in findings if f.fired],
                            insufficient=[f for f in findings if not f.fired], notes=list(notes),
-                           label="" if len(files) == 1 else f"{files[0].name} + {len(files) - 1} more")
+                           label="" if len(files) == 1 else f"{files[0].name} + {len(files) - 1} more",
+                           names=list(names or []))
     if fmt == NVIDIA_SMI:
         from autotune.loaders.nvidia_smi import utilization_series
 

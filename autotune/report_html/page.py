@@ -285,16 +285,17 @@ def render_metrics(m: MetricsReport, figs: Sequence[Figure], figures_href: str) 
     name = m.label or m.source.name
     parts = [f"<h1>autotune advise: {escape(name)}</h1>"]
     stats = []
-    for s in m.summaries[:4]:
+    names = m.names if len(m.names) == len(m.summaries) else [_trial_name(s.trial) for s in m.summaries]
+    for s, who in list(zip(m.summaries, names, strict=True))[:4]:
         stats.append((f"{s.samples_per_second:,.1f} samples/s",
-                      f"{_trial_name(s.trial)}: micro {s.micro_batch_size}, GAS {s.gradient_accumulation_steps}, "
+                      f"{who}: micro {s.micro_batch_size}, GAS {s.gradient_accumulation_steps}, "
                       f"{s.pipeline_stages} stage(s) x {s.data_parallel_size} dp, {s.steps} measured steps"))
     stats.append((str(len(m.findings)), "rules fired"))
     parts.append('<section class="headline">' + "".join(
         f'<div class="stat"><b>{escape(v)}</b><span>{escape(t)}</span></div>' for v, t in stats) + "</section>")
     facts = [("Input", f"{m.label or m.source} ({m.format})")]
-    for s in m.summaries[:4]:
-        facts.append((_trial_name(s.trial).capitalize(), f"utilization mean {s.device_utilization_mean:.0%}, bubble "
+    for s, who in list(zip(m.summaries, names, strict=True))[:4]:
+        facts.append((who[:1].upper() + who[1:], f"utilization mean {s.device_utilization_mean:.0%}, bubble "
                                           f"{s.bubble_fraction_measured:.2f} measured / {s.bubble_fraction_ideal:.2f} ideal, "
                                           f"stage imbalance {s.stage_compute_imbalance:.2f}"))
     parts.append('<dl class="facts">' + "".join(f"<dt>{escape(a)}</dt><dd>{escape(b)}</dd>" for a, b in facts)
