@@ -31,12 +31,12 @@ def all_parts(n: int, stages: int):
         yield [0, *cuts, n]
 
 
-def brute_best(costs, stages, memory=None):
+def brute_best(costs, stages, memory=None, fixed=None):
     best = None
     for parts in all_parts(len(costs), stages):
         if memory is not None and max(m - memory.limit_bytes for m in stage_memory(parts, memory)) > 0:
             continue
-        worst = max(stage_times(costs, parts))
+        worst = max(stage_times(costs, parts, fixed))
         best = worst if best is None else min(best, worst)
     return best
 
@@ -54,6 +54,17 @@ def test_solver_matches_brute_force(costs, stages):
     parts = balanced_parts(costs, stages)
     assert check_parts(parts, len(costs), stages) == parts  # valid, every stage non-empty
     assert max(stage_times(costs, parts)) == pytest.approx(brute_best(costs, stages), rel=1e-9, abs=1e-9)
+
+
+@SETTINGS
+@given(costs=costs_st, stages=st.integers(1, 4), fixed=st.lists(st.floats(0, 50, allow_nan=False), min_size=4,
+                                                                  max_size=4))
+def test_fixed_stage_costs_match_brute_force(costs, stages, fixed):
+    if len(costs) < stages:
+        return
+    parts = balanced_parts(costs, stages, stage_fixed=fixed[:stages])
+    assert max(stage_times(costs, parts, fixed[:stages])) == pytest.approx(
+        brute_best(costs, stages, fixed=fixed[:stages]), rel=1e-9, abs=1e-9)
 
 
 @SETTINGS
@@ -115,3 +126,25 @@ def test_parse_parts():
     assert parse_parts("[0, 5, 8]") == [0, 5, 8]
     with pytest.raises(UserError, match="comma-separated"):
         parse_parts("0;5")
+
+
+@pytest.mark.parametrize("method, message", [
+    ("parts:0,3", "2 boundaries for 2 stages"),
+    ("parts:0,3,7", "layer count 6"),
+    ("parts:0,x,6", "comma-separated"),
+    ("profile", "parts:B0,B1"),
+])
+def test_a_bad_partition_method_is_one_clear_error(method, message):
+    from autotune.options import RunOptions, WorkloadOptions
+    from autotune.validation import validate
+
+    opts = RunOptions(workload=WorkloadOptions(preset="tiny", pipeline_stages=2, partition_method=method))
+    with pytest.raises(UserError, match=message):
+        validate(opts)
+
+
+def test_explicit_parts_are_a_valid_method():
+    from autotune.options import RunOptions, WorkloadOptions
+    from autotune.validation import validate
+
+    validate(RunOptions(workload=WorkloadOptions(preset="tiny", pipeline_stages=2, partition_method="parts:0,2,6")))
