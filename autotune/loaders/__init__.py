@@ -77,11 +77,12 @@ def load_inputs(args: Sequence[str], *, stages: int | None = None) -> LoadedInpu
 
 
 def _summaries(g: InputGroup) -> list[TrialSummary]:
-    from autotune.loaders.metrics import read_trial_columns
+    from autotune.loaders.metrics import read_columns, read_trial_columns
     from autotune.summary import summarize_columns
 
     source = str(g.paths[0]) if len(g.paths) == 1 else g.name
-    out = summarize_columns(read_trial_columns(list(g.paths)), source=source)
+    cols = read_columns(g.paths[0]) if len(g.paths) == 1 else read_trial_columns(list(g.paths))  # no copy for one
+    out = summarize_columns(cols, source=source)
     if not out:
         raise InputFileError(f"{source}: no measured (non-warm-up) step in the file"
                              + ("s" if len(g.paths) > 1 else ""))
