@@ -244,3 +244,16 @@ def test_unreadable_layer_costs_are_one_line(tmp_path):
     (run / "layer-costs-rank0.csv").write_text("rank,stage\n0,0\n")
     r = CliRunner().invoke(cli, ["advise", str(run)])
     assert r.exit_code == 2 and r.output.count("\n") == 1 and "layer costs beside the metrics" in r.output
+
+
+@pytest.mark.parametrize("method,new", [("parameters", "uniform"), ("uniform", "parameters"),
+                                        ("type:Block", "parameters"), ("parts:0,3,8", "uniform")])
+def test_the_other_built_in_method_is_proposed(tmp_path, method, new):
+    trial = metrics_job(tmp_path / "study" / "trial-000", [0.2, 0.6])
+    for f in trial.glob("metrics-rank*.csv"):
+        f.write_text(f.read_text().replace("\n1700000000.0,-1,", "\n1700000000.0,0,"))
+    (trial / "trial.json").write_text(json.dumps({"workload": {"partition_method": method}}))
+    f = finding(advise(trial), "stage-imbalance")
+    assert f["subject"] == "trial 0"
+    change = f["changes"][0]
+    assert (change["current"], change["new"]) == (method, new) and "trial.json" in change["note"]

@@ -43,12 +43,16 @@ def current_method(s: SignalSet, raw: dict[str, Any] | None) -> tuple[str | None
 
 def other_partition_method(s: SignalSet, raw: dict[str, Any] | None) -> Change:
     cur, where = current_method(s, raw)
+    stale = ""
     if cur == "parameters" or cur is None:
         new = "uniform"
+    elif cur.startswith("parts:"):  # explicit boundaries (autotune's own partition) still unbalanced
+        new = "uniform"
+        stale = "; the explicit parts were computed from costs this run no longer matches: measure the layer costs again"
     else:
         new = "parameters"  # from uniform or type:REGEX, the other built-in balance
     known = f"now {cur} ({where})" if cur else f"the run's method is not recorded (DeepSpeed's default: {DEEPSPEED_DEFAULT_METHOD})"
-    note = f"{NOT_A_CONFIG_KEY}; {known}; or type:<your block class>; re-measure after the change"
+    note = f"{NOT_A_CONFIG_KEY}; {known}; or type:<your block class>; re-measure after the change{stale}"
     return Change(kind="advice", target="PipelineModule:partition_method", current=cur, new=new, note=note)
 
 
