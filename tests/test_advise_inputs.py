@@ -275,3 +275,26 @@ def test_any_mix_of_inputs_is_advice_or_one_line(tmp_path, kinds):
         assert json.loads(r.output)["findings"]
     else:
         assert r.exit_code == 2 and r.output.startswith("autotune: error: ") and r.output.count("\n") == 1, r.output
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 10_000), ranks=st.sampled_from([2, 4, 8]))
+def test_per_rank_files_summarise_as_their_concatenation(tmp_path_factory, seed, ranks):
+    """Merging a job's per-rank files loses nothing: the same summary as all rows in one file."""
+    import random
+
+    from autotune.loaders import load_inputs
+
+    rng = random.Random(seed)
+    folder = tmp_path_factory.mktemp("job")
+    recs = [record(trial=-1, rank=r, stage=r * 2 // ranks, step=s, warmup=int(s == 0),
+                   data_parallel_size=ranks // 2, step_seconds=rng.uniform(0.5, 2),
+                   compute_seconds=rng.uniform(0.1, 0.5), wait_seconds=rng.uniform(0, 0.3),
+                   device_utilization=rng.random()) for s in range(rng.randint(2, 6)) for r in range(ranks)]
+    (folder / "all.csv").write_text(csv_text(recs))
+    (folder / "split").mkdir()
+    for r in range(ranks):
+        (folder / "split" / f"metrics-rank{r}.csv").write_text(csv_text([x for x in recs if x.rank == r]))
+    whole = load_inputs([str(folder / "all.csv")]).summaries
+    merged = load_inputs([str(folder / "split")]).summaries
+    assert [s.to_dict() for s in merged] == [s.to_dict() for s in whole]
