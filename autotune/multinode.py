@@ -107,15 +107,17 @@ class Cluster:
         return ", ".join(f"{h}:{n}" for h, n in self.hosts.items())
 
 
-def resolve_cluster(opts: LauncherOptions, world_size: int, *, check_hosts: bool = True) -> Cluster | None:
+def resolve_cluster(opts: LauncherOptions, world_size: int | None, *, check_hosts: bool = True) -> Cluster | None:
     """The cluster a run's trials use, checked before any trial; None for a plain local launch.
 
     Every problem is one UserError: an unreadable or malformed hostfile, filters that leave
     other than stages x dp slots, a launcher that is not installed, a host ssh cannot reach.
+    `world_size` None: the ranks are what the slots give (the user's own command).
     """
     if not opts.given:
         return None
-    if opts.num_gpus is not None and opts.hostfile is None and opts.num_gpus != world_size:
+    if opts.num_gpus is not None and opts.hostfile is None and world_size is not None \
+            and opts.num_gpus != world_size:
         raise UserError(f"--num_gpus {opts.num_gpus} on one machine gives {opts.num_gpus} ranks; the run "
                         f"needs stages x dp = {world_size}")
     if (opts.include or opts.exclude) and (opts.num_nodes is not None or opts.num_gpus is not None):
@@ -124,10 +126,12 @@ def resolve_cluster(opts: LauncherOptions, world_size: int, *, check_hosts: bool
     if opts.launcher not in LAUNCHER_BINARIES:
         raise UserError(f"--launcher {opts.launcher!r} is not one of DeepSpeed's: "
                         f"{', '.join(sorted(LAUNCHER_BINARIES))}")
+    if opts.hostfile is None and world_size is None:
+        return None  # the user's own one-machine launch: nothing to place or check
     pool = _read_hostfile(opts.hostfile) if opts.hostfile else OrderedDict(localhost=world_size)
     hosts = _apply_filters(pool, opts)
     cluster = Cluster(hosts=hosts, options=opts)
-    if cluster.world_size != world_size:
+    if world_size is not None and cluster.world_size != world_size:
         raise UserError(f"the hostfile{' and filters' if opts.include or opts.exclude or opts.num_nodes else ''} "
                         f"give {cluster.world_size} slots ({cluster.describe()}); the run needs "
                         f"stages x dp = {world_size}: change --stages/--dp or the slots")

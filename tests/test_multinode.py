@@ -235,3 +235,58 @@ def test_stop_on_nodes_reaches_processes_started_over_ssh(tmp_path, two_nodes):
     while processes_with(str(marker)) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert processes_with(str(marker)) == []
+
+
+# --- the user's own command ---------------------------------------------------------------------
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _user_command(*launcher_opts: str):
+    from autotune.usercmd.command import parse_command
+
+    return parse_command(["deepspeed", *launcher_opts, str(REPO / "examples" / "pipeline_train.py"),
+                          "--deepspeed_config", "ds.json"], cwd=REPO)
+
+
+def test_the_commands_own_launcher_options_are_read():
+    cmd = _user_command("--hostfile=hf", "-i", "a@b", "--launcher", "openmpi", "--num_gpus", "2")
+    assert cmd.cluster_options() == LauncherOptions(hostfile="hf", include="a@b", launcher="openmpi", num_gpus=2)
+    with pytest.raises(UserError, match="--num_gpus 'x' in the command is not a number"):
+        _user_command("--num_gpus", "x").cluster_options()
+
+
+def test_autotunes_launcher_options_join_the_command_once():
+    cmd = _user_command("--hostfile", "hf").with_launcher_options(["--hostfile", "hf", "--master_addr", "10.0.0.1"])
+    assert cmd.launcher_args == ("--hostfile", "hf", "--master_addr", "10.0.0.1")
+    with pytest.raises(UserError, match="given twice, 'other' to autotune and 'hf' in the command"):
+        _user_command("--hostfile", "hf").with_launcher_options(["--hostfile", "other"])
+    from autotune.usercmd.command import parse_command
+
+    torchrun = parse_command(["torchrun", str(REPO / "examples" / "pipeline_train.py"), "--deepspeed_config",
+                              "ds.json"], cwd=REPO)
+    with pytest.raises(UserError, match="with torchrun, give the nodes in the command"):
+        torchrun.with_launcher_options(["--hostfile", "hf"])
+
+
+@pytest.mark.slow
+def test_users_script_on_two_nodes_through_autotunes_hostfile(tmp_path, two_nodes):
+    hf = _hostfile(tmp_path, "localhost slots=1\n127.0.0.1 slots=1\n")
+    env = {**os.environ, **_env(two_nodes), "OMP_NUM_THREADS": "1",
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    command = ["deepspeed", str(REPO / "examples" / "pipeline_train.py"), "--deepspeed_config",
+               str(REPO / "examples" / "ds_config.json"), "--steps", "100000", "--save-dir", "ckpt"]
+    r = subprocess.run([sys.executable, "-m", "autotune", "run", "--budget", "1", "--study", "st",
+                        "--steps", "2", "--warmup-steps", "1", "--trial-timeout", "400", "--hostfile", hf,
+                        "--master_addr", "127.0.0.1", "--", *command],
+                       cwd=tmp_path, capture_output=True, text=True, env=env, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "nodes: localhost:1, 127.0.0.1:1 (multi-node through pdsh)" in r.stdout + r.stderr
+    trial = tmp_path / "st" / "trial-000"
+    assert rows(tmp_path / "st")[0][1] == "ok"
+    log = (trial / "launcher.log").read_text()
+    assert "localhost: " in log and "127.0.0.1: " in log
+    for rank in (0, 1):  # the bootstrap instrumented the script on both nodes
+        assert len((trial / f"metrics-rank{rank}.csv").read_text().splitlines()) == 1 + 3
+    assert not (tmp_path / "ckpt").exists()  # the stop never reached the script's own saving
+    assert alive_under(tmp_path / "st") == []

@@ -24,6 +24,7 @@ and autotune removes them by it).
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import shutil
 from dataclasses import dataclass
@@ -107,6 +108,74 @@ class UserCommand:
             script_args[i] = f"{flag}={ds_config}" if eq and flag in CONFIG_FLAGS else str(ds_config)
         return [*self.prefix, *_without_master_port(self.launcher_args), "--master_port", str(master_port),
                 self.script, *script_args]
+
+
+    def cluster_options(self):
+        """The command's own DeepSpeed launcher options that place the ranks (autotune/multinode.py)."""
+        from autotune.multinode import LauncherOptions
+
+        if self.launcher != DEEPSPEED:
+            return LauncherOptions()
+        found = dict(_valued_options(self.launcher_args))
+        ints = {}
+        for name in ("num_nodes", "num_gpus", "ssh_port"):
+            value = found.get(name)
+            if value is not None:
+                if not (value.isascii() and value.isdigit()):
+                    raise UserError(f"--{name} {value!r} in the command is not a number")
+                ints[name] = int(value)
+        return LauncherOptions(hostfile=found.get("hostfile"), include=found.get("include", ""),
+                               exclude=found.get("exclude", ""), master_addr=found.get("master_addr"),
+                               launcher=found.get("launcher", "pdsh"), launcher_args=found.get("launcher_args", ""),
+                               **ints)
+
+    def with_launcher_options(self, argv: list[str]) -> UserCommand:
+        """This command with autotune's own launcher options (`autotune run --hostfile ...`) added;
+        an option the command already gives is kept as the user wrote it, a different value refused."""
+        if not argv:
+            return self
+        if self.launcher != DEEPSPEED:
+            raise UserError(f"{argv[0]} is an option of the deepspeed launcher; with {self.launcher}, "
+                            "give the nodes in the command itself (--nnodes, --rdzv-endpoint, ...)")
+        own = dict(_valued_options(self.launcher_args))
+        added: list[str] = []
+        for flag, value in zip(argv[::2], argv[1::2], strict=True):
+            name = flag.lstrip("-")
+            if name in own and own[name] != value:
+                raise UserError(f"{flag} is given twice, {value!r} to autotune and {own[name]!r} in the "
+                                "command; give it once")
+            if name not in own:
+                added += [flag, value]
+        return dataclasses.replace(self, launcher_args=(*self.launcher_args, *added))
+
+    def for_cluster(self, cluster) -> UserCommand:
+        """The command as every trial on a multi-node `cluster` runs it: the master address and
+        `--no_ssh_check` added as autotune.multinode.cluster_args adds them for the built-in
+        workload (autotune checked the hosts the way pdsh connects)."""
+        from autotune.multinode import cluster_args
+
+        extra = cluster_args(cluster)
+        flags = tuple(a for a in ("--no_ssh_check",) if a in extra and a not in self.launcher_args)
+        valued = [a for a in extra if a != "--no_ssh_check"]
+        return dataclasses.replace(self.with_launcher_options(valued), launcher_args=(
+            *self.with_launcher_options(valued).launcher_args, *flags))
+
+
+def _valued_options(args: tuple[str, ...]):
+    """(name, value) of the launcher options written `--name value` or `--name=value`."""
+    short = {"-H": "hostfile", "-i": "include", "-e": "exclude"}
+    i = 0
+    while i < len(args):
+        name, eq, value = args[i].partition("=")
+        key = short.get(name, name.lstrip("-").replace("-", "_"))
+        if eq:
+            yield key, value
+            i += 1
+        elif name in _LAUNCHER_VALUED[DEEPSPEED] and i + 1 < len(args):
+            yield key, args[i + 1]
+            i += 2
+        else:
+            i += 1
 
 
 def parse_command(argv: list[str] | tuple[str, ...], *, cwd: Path) -> UserCommand:

@@ -31,6 +31,8 @@ from typing import Any
 
 ENV = "AUTOTUNE_USERCMD"
 """The controller's settings for the ranks, as JSON (BootstrapSettings)."""
+FILE_ENV = "AUTOTUNE_USERCMD_FILE"
+"""Or the path of a file holding them (multi-node: DeepSpeed's env file cannot carry JSON)."""
 EXIT_NOT_PIPELINE = 45
 """A rank whose deepspeed.initialize returned no PipelineEngine exits with this."""
 MODE_TRIAL, MODE_PROBE, MODE_WATCH = "trial", "probe", "watch"

@@ -30,6 +30,7 @@ from typing import Any
 
 from autotune.dsconfig import DsConfig, load_ds_config
 from autotune.errors import UserError
+from autotune.multinode import resolve_cluster
 from autotune.precision import check_precision
 from autotune.usercmd.command import UserCommand, check_launcher_installed, parse_command
 from autotune.usercmd.runner import PROBE_TIMEOUT, UserCommandRunner, probe_shape
@@ -55,7 +56,8 @@ class UserJob:
 
     def runner(self, opts: Any, base: DsConfig) -> UserCommandRunner:
         wl = opts.workload
-        return UserCommandRunner(self.command(), base, cwd=Path(self.cwd),
+        command = with_autotune_launcher_options(self.command(), opts)
+        runner = UserCommandRunner(command, base, cwd=Path(self.cwd),
                                  data_parallel_size=wl.data_parallel_size, steps=wl.steps,
                                  warmup_steps=wl.warmup_steps, job=wl.job, metrics_port=wl.metrics_port,
                                  metrics_addr=wl.metrics_addr)
@@ -64,6 +66,8 @@ class UserJob:
             from autotune.partition import parse_parts
 
             runner.parts = parse_parts(wl.partition_method[len("parts:"):])
+        runner.cluster = resolve_cluster(command.cluster_options(), None, check_hosts=False)
+        return runner
 
     def space(self, opts: Any, base: DsConfig):
         """The run's space with the user's model size bounding the bucket range (not a preset's)."""
@@ -100,8 +104,12 @@ def prepare_user_job(opts: Any, argv: list[str], note: Callable[[str], None]) ->
     if opts.workload.faults:
         raise UserError("--fault injects faults into the built-in workload only")
     cwd = Path.cwd().resolve()
-    cmd = parse_command(argv, cwd=cwd)
+    cmd = with_autotune_launcher_options(parse_command(argv, cwd=cwd), opts)
     check_launcher_installed(cmd)
+    cluster = resolve_cluster(cmd.cluster_options(), None)  # hostfile, launcher, hosts: before any run
+    if cluster is not None:
+        note(f"nodes: {cluster.describe()}" + (f" (multi-node through {cluster.options.launcher})"
+                                                 if cluster.multi_node else ""))
     if cmd.uses_placeholder:
         if opts.config is None:
             raise UserError("the command takes the config through {config}; give the starting config "
@@ -133,6 +141,11 @@ def prepare_user_job(opts: Any, argv: list[str], note: Callable[[str], None]) ->
     opts.workload.pipeline_stages = shape.stages
     opts.workload.data_parallel_size = shape.data_parallel_size
     return UserJob(argv=list(argv), cwd=str(cwd), parameters=shape.parameters)
+
+
+def with_autotune_launcher_options(cmd: UserCommand, opts: Any) -> UserCommand:
+    """`autotune run --hostfile ... -- deepspeed ...`: autotune's launcher options join the command's."""
+    return cmd.with_launcher_options(opts.workload.launcher_options().argv())
 
 
 def attach_user_job(study: Any, job: UserJob | None) -> UserJob | None:

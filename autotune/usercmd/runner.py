@@ -27,10 +27,11 @@ from pathlib import Path
 from autotune.dsconfig import DEEPSPEED_DEFAULT_BUCKET, DsConfig
 from autotune.judge import TrialOutcome, failed, judge
 from autotune.launcher import LaunchOutcome, LaunchSpec, TrialProcess, accelerator_env, free_port
+from autotune.multinode import node_env, resolve_cluster, stop_on_nodes
 from autotune.space import TrialConfig
 from autotune.trial import prepare_trial_dir
 from autotune.usercmd.command import UserCommand
-from autotune.usercmd.hook import ENV, MODE_PROBE, MODE_TRIAL, BootstrapSettings
+from autotune.usercmd.hook import ENV, FILE_ENV, MODE_PROBE, MODE_TRIAL, BootstrapSettings
 
 BOOTSTRAP_DIR = Path(__file__).resolve().parent / "bootstrap"
 PROBE_TIMEOUT = 900.0
@@ -78,6 +79,13 @@ def launch(command: UserCommand, *, ds_config: Path, cwd: Path, run_dir: Path, s
            timeout: float, on_start: Callable[[TrialProcess], None] | None = None) -> LaunchOutcome:
     spec = LaunchSpec(num_ranks=0, script_args=[], log_path=run_dir / "launcher.log", timeout=timeout,
                       env=rank_env(settings), launcher=list(command.prefix))
+    cluster = resolve_cluster(command.cluster_options(), None, check_hosts=False)  # checked before
+    multi_node = cluster is not None and cluster.multi_node
+    if multi_node:  # the other nodes' ranks: settings by file, environment by DeepSpeed's env file
+        settings_file = run_dir / "bootstrap-settings.json"
+        settings_file.write_text(settings.to_env(), encoding="utf-8")
+        spec.env.update(node_env(run_dir, {FILE_ENV: str(settings_file)}, cwd=cwd))
+        command = command.for_cluster(cluster)
     proc = CommandProcess(spec, command, ds_config, cwd)
     try:
         error = proc.start()
@@ -90,6 +98,8 @@ def launch(command: UserCommand, *, ds_config: Path, cwd: Path, run_dir: Path, s
         rc, timed_out = proc.wait()
     finally:
         proc.stop(grace=2.0)  # ranks the launcher left behind, or a Ctrl-C: the whole group goes
+        if multi_node:  # ranks on the nodes are sshd's children, not in the launcher's group
+            stop_on_nodes(cluster, str(run_dir), master_port=proc.master_port)
     return LaunchOutcome(returncode=rc, timed_out=timed_out, wall_seconds=time.monotonic() - proc.started,
                          log_path=spec.log_path)
 
@@ -181,6 +191,8 @@ class UserCommandRunner:
         self.data_parallel_size = data_parallel_size
         self.steps, self.warmup_steps = steps, warmup_steps
         self.job, self.metrics_port, self.metrics_addr = job, metrics_port, metrics_addr
+        self.cluster = None
+        """Where the ranks run when the command names nodes (set by job.py; resume clean-up reads it)."""
 
     def _is_unchanged(self, config: TrialConfig) -> bool:
         """The user's own config would run exactly this: write it as it is."""

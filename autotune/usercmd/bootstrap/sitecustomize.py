@@ -34,6 +34,14 @@ def _chain_next_sitecustomize() -> None:
 
 def _install_hook() -> None:
     settings = os.environ.get("AUTOTUNE_USERCMD")
+    if not settings and os.environ.get("AUTOTUNE_USERCMD_FILE"):
+        # multi-node: DeepSpeed's env file cannot carry JSON, so the nodes get its path
+        try:
+            with open(os.environ["AUTOTUNE_USERCMD_FILE"], encoding="utf-8") as f:
+                settings = f.read()
+        except OSError as exc:
+            print(f"autotune: cannot instrument this rank: {exc}", file=sys.stderr, flush=True)
+            return
     if not settings or "RANK" not in os.environ:
         return
     try:
