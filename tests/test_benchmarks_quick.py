@@ -63,6 +63,12 @@ def test_tuning_gain(tmp_path):
     assert re.search(r"tuned / sweep best: (the same configuration|[\d.]+%)", out), out[-2000:]
 
 
+def test_partition_balance(tmp_path):
+    out = run([sys.executable, "benchmarks/partition_balance.py", "--quick", "--out", str(tmp_path)], timeout=900)
+    figure(out, r"2 stages: balanced imbalance ([\d.]+)", 0.9, 10)
+    figure(out, r"throughput vs best built-in ([\d.]+)x", 0.05, 20)
+
+
 def test_instrumentation_overhead():
     # The README's CPU command (2 stages on 2 ranks, gloo) or its GPU one (1 stage, 1 GPU).
     port = free_port()
