@@ -66,6 +66,7 @@ class LayerCostSink:
         self._open: tuple[Any, str] | None = None  # the backward interval running now
         self._param_ptrs: set[int] = set()
         self._closed = False
+        self._previous_map: dict | None = None
         self._install()
 
     # -- hooks ------------------------------------------------------------------
@@ -98,6 +99,7 @@ class LayerCostSink:
 
             self._handles.append(layer.register_forward_pre_hook(pre))
             self._handles.append(layer.register_forward_hook(post))
+        self._previous_map = self.engine.__dict__.get("_INSTRUCTION_MAP")
         instructions = dict(self.engine._INSTRUCTION_MAP)
         for cls, fn in list(instructions.items()):
             if cls.__name__ == _FWD_PASS:
@@ -145,6 +147,17 @@ class LayerCostSink:
                     self._open = None
                 self.timer.end(token, _BWD_PASS)
         return run
+
+    def detach(self) -> None:
+        """Remove every hook and give the engine back the instruction map it had (overhead benchmark)."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        if self._previous_map is None:
+            self.engine.__dict__.pop("_INSTRUCTION_MAP", None)
+        else:
+            self.engine._INSTRUCTION_MAP = self._previous_map
+        self.timer.collect()
 
     # -- sink -------------------------------------------------------------------
     def write(self, record: Any) -> None:

@@ -1,0 +1,84 @@
+"""Layer-cost hooks' overhead: the same instrumented engine with and without them, alternated.
+
+Why `--layer-costs` is off by default: it costs a hook call per layer, micro-batch and
+direction. This prints the median step-time ratio hooks-on / hooks-off.
+
+Run (2 stages, 2 ranks, CPU):
+    DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 .venv/bin/deepspeed --num_gpus 2 --no_local_rank \
+        benchmarks/layer_cost_overhead.py --preset wide-vocab --micro 4 --gas 8 --blocks 6
+(`--quick`: 2 block pairs of 1 step, a smoke run whose ratio is noise.)
+
+Within one process per rank, blocks of steps alternate between the probe alone and the
+probe plus the layer-cost sink (autotune/layer_costs.py), so machine noise hits both alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="wide-vocab")
+    ap.add_argument("--stages", type=int, default=2)
+    ap.add_argument("--micro", type=int, default=4)
+    ap.add_argument("--gas", type=int, default=8)
+    ap.add_argument("--blocks", type=int, default=6, help="on/off block pairs")
+    ap.add_argument("--steps-per-block", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="2 block pairs of 1 step: a smoke run (CI)")
+    args = ap.parse_args()
+    if args.quick:
+        args.blocks, args.steps_per_block = 2, 1
+
+    import deepspeed
+    import torch
+
+    from autotune.instrument import PipelineProbe
+    from autotune.layer_costs import LayerCostSink
+    from autotune.workload.data import batches, synthetic_tokens
+    from autotune.workload.model import build_pipeline_module
+    from autotune.workload.presets import get_preset
+
+    torch.set_num_threads(1)
+    preset = get_preset(args.preset)
+    deepspeed.init_distributed()
+    module = build_pipeline_module(preset, stages=args.stages)
+    cfg = {"train_micro_batch_size_per_gpu": args.micro, "gradient_accumulation_steps": args.gas,
+           "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}, "steps_per_print": 10**9}
+    engine, *_ = deepspeed.initialize(model=module, model_parameters=module.parameters(), config=cfg)
+    data = batches(synthetic_tokens(preset.vocab_size, 100_000, seed=1), micro_batch=args.micro,
+                   seq=preset.seq_length, seed=1 + engine.grid.get_data_parallel_rank())
+    probe = PipelineProbe(engine, sinks=[], seq_length=preset.seq_length).install()
+    for _ in range(2):  # warm-up
+        engine.train_batch(data_iter=data)
+    out = Path(tempfile.mkdtemp(prefix="layer-cost-overhead-"))
+    on, off = [], []
+    for block in range(2 * args.blocks):
+        hooked = block % 2 == 0
+        sink = None
+        if hooked:
+            sink = LayerCostSink(engine, out / f"layer-costs-rank{engine.global_rank}.csv")
+            probe.sinks.append(sink)
+        for _ in range(args.steps_per_block):
+            t0 = time.perf_counter()
+            engine.train_batch(data_iter=data)
+            (on if hooked else off).append(time.perf_counter() - t0)
+        if sink is not None:
+            sink.detach()
+            probe.sinks.remove(sink)
+    if engine.global_rank == 0:
+        m_on, m_off = statistics.median(on), statistics.median(off)
+        print(f"steps: {len(on)} with layer-cost hooks, {len(off)} without; preset {args.preset}, "
+              f"micro {args.micro}, GAS {args.gas}, {args.stages} stages")
+        print(f"median step: hooks {m_on * 1000:.2f} ms, no hooks {m_off * 1000:.2f} ms, "
+              f"ratio {m_on / m_off:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
