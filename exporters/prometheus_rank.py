@@ -139,11 +139,14 @@ class RankExporter:
 
         Port = `port` if given, else base_port + local rank (`LOCAL_RANK` env, 0).
         A taken port warns (MetricsEndpointWarning) and falls back to
-        port + k * LOCAL_WORLD_SIZE for k < tries; never raises.
+        port + k * local world size (LOCAL_WORLD_SIZE, or DeepSpeed's LOCAL_SIZE) for k < tries;
+        never raises.
         """
         if local_rank is None:
             local_rank = int(os.environ.get("LOCAL_RANK", "0") or 0)
-        stride = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+        # torchrun says LOCAL_WORLD_SIZE, DeepSpeed's launcher LOCAL_SIZE: without it every local
+        # rank's fallback would try the next port up, the one the next local rank asked for
+        stride = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or 1)
         self.endpoint = serve_registry(
             self.registry, addr=addr, port=base_port + local_rank if port is None else port,
             stride=stride, tries=tries, what="metrics",

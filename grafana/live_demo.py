@@ -125,9 +125,11 @@ class Prom:
 @contextlib.contextmanager
 def prometheus_server(
     targets: Sequence[str], *, rule_files: Sequence[Path] = (), scrape_interval: str = "1s",
-    honor_labels: bool = True,
+    honor_labels: bool = True, file_sd: Sequence[Path] = (),
 ) -> Iterator[Prom]:
     """Start a real Prometheus scraping `targets` ("127.0.0.1:PORT"); stop it on exit.
+
+    `file_sd`: targets files (autotune's prometheus_targets.json) read instead of `targets`.
 
     `rule_files` are copied into the temp dir and evaluated every second. Waits until
     the HTTP API answers (not until targets are scraped: use `wait_until`).
@@ -140,12 +142,14 @@ def prometheus_server(
         shutil.copy(rf, dst)
         rules.append(str(dst))
     targets_json = json.dumps(list(targets))
+    discovery = (f"    file_sd_configs:\n      - files: {json.dumps([str(p) for p in file_sd])}\n"
+                 "        refresh_interval: 1s\n" if file_sd else
+                 f"    static_configs:\n      - targets: {targets_json}\n")
     config = (
         f"global:\n  scrape_interval: {scrape_interval}\n  evaluation_interval: 1s\n"
         f"rule_files: {json.dumps(rules)}\n"
         "scrape_configs:\n  - job_name: autotune-test\n"
-        f"    honor_labels: {str(honor_labels).lower()}\n"
-        f"    static_configs:\n      - targets: {targets_json}\n"
+        f"    honor_labels: {str(honor_labels).lower()}\n" + discovery
     )
     (work / "prometheus.yml").write_text(config)
     port = free_port()

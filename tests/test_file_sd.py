@@ -100,3 +100,26 @@ def test_watch_findings_metric_passes_promtool_and_follows_the_findings():
     assert reg.get_sample_value("autotune_watch_finding",
                                 {"job": "j", "rule": "comm-compute-high", "severity": "warning"}) is None
     assert reg.get_sample_value("autotune_watch_evaluations_total", {"job": "j"}) == 2
+
+
+def test_under_deepspeeds_launcher_a_taken_port_falls_back_by_the_local_world_size(monkeypatch):
+    """DeepSpeed's launcher sets LOCAL_SIZE, not torchrun's LOCAL_WORLD_SIZE: rank 0's fallback must
+    still skip rank 1's port (found by the run's targets file listing rank 1 on rank 0's fallback)."""
+    import warnings
+
+    from prom_helpers import taken_port
+
+    from exporters.endpoint import MetricsEndpointWarning
+    from exporters.prometheus_rank import RankExporter
+
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.setenv("LOCAL_SIZE", "2")
+    with taken_port() as taken:
+        exp = RankExporter(labels={"job": "t"})
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", MetricsEndpointWarning)
+            exp.serve(port=taken)
+        try:
+            assert exp.endpoint is not None and exp.endpoint.port == taken + 2
+        finally:
+            exp.close()

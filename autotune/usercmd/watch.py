@@ -72,6 +72,9 @@ class PreparedWatch:
 
 def prepare(argv: list[str], opts: WatchOptions, *, cwd: Path) -> PreparedWatch:
     """Every check of the command and its config, before anything starts: one UserError each."""
+    if not any(a.strip() for a in argv):
+        raise UserError("no training command after `--`; write it as: autotune watch -- deepspeed "
+                        "train.py --deepspeed_config ds_config.json")
     cmd = parse_command(argv, cwd=cwd)
     if cmd.uses_placeholder:
         if not opts.config:
