@@ -29,7 +29,7 @@ PRESETS: dict[str, ModelPreset] = {
         # Unbalanced the way real models are: the LM head over a large vocabulary costs several
         # decoder layers while the embedding (same parameter count) costs almost nothing, so
         # `parameters` and `uniform` both leave the last stage the slowest (docs/partition.md).
-        ModelPreset(name="wide-vocab", vocab_size=4096, hidden_size=64, num_layers=12, num_heads=4,
+        ModelPreset(name="wide-vocab", vocab_size=8192, hidden_size=64, num_layers=24, num_heads=4,
                     ffn_size=176, seq_length=64),
         ModelPreset(name="llama-7b", vocab_size=32000, hidden_size=4096, num_layers=32,
                     num_heads=32, ffn_size=11008, seq_length=2048),
