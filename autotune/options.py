@@ -27,10 +27,11 @@ from autotune.errors import UserError
 def option(default: Any, help: str, *, flag: str | None = None, lo: float | None = None,
            hi: float | None = None, unit: str = "", group: str = "", hidden: bool = False,
            cli: bool = True, cli_type: type | None = None, show_default: bool = True,
-           factory: Callable[[], Any] | None = None) -> Any:
+           factory: Callable[[], Any] | None = None, multiple: bool = False) -> Any:
     """A dataclass field carrying its command-line flag, help, unit and valid range."""
     meta = {"help": help, "flag": flag, "lo": lo, "hi": hi, "unit": unit, "group": group,
-            "hidden": hidden, "cli": cli, "cli_type": cli_type, "show_default": show_default}
+            "hidden": hidden, "cli": cli, "cli_type": cli_type, "show_default": show_default,
+            "multiple": multiple}
     if factory is not None:
         return field(default_factory=factory, metadata=meta)
     return field(default=default, metadata=meta)
@@ -131,6 +132,10 @@ class RunOptions:
     seed: int = option(0, "Proposer seed.", lo=0, hi=2**32 - 1, group="study")
     trial_timeout: float | None = option(None, "Seconds per trial (default: derived from the slowest "
                                          "finished trial).", lo=0, unit="s", group="study", cli_type=float)
+    knobs: tuple[str, ...] = option((), "Your script's model setting as a knob: NAME[:V1,V2]=FLAG (FLAG "
+                                    "with {value}, e.g. 'partition_method=--partition {value}'); "
+                                    "repeatable; with a COMMAND only (docs/user-script.md).",
+                                    flag="--knob", group="study", multiple=True, show_default=False)
     # The search space
     global_batch: int | None = option(None, "Fixed global batch (default: the starting config's "
                                       "train_batch_size).", lo=1, hi=2**31, group="space")
@@ -168,6 +173,7 @@ class RunOptions:
         d = dict(d)
         wl = dict(d.pop("workload", {}))
         wl.pop("extra_args", None)  # studies written before the trial description
+        d["knobs"] = tuple(d.get("knobs", ()))  # stored as a JSON list
         return cls(**d, workload=WorkloadOptions(**wl))
 
 
@@ -209,6 +215,8 @@ def click_options(fn: Callable) -> Callable:
         m = f.metadata
         if f.type == "bool":
             deco = click.option(_flag(f), f.name, is_flag=True, help=_help(f), hidden=m["hidden"])
+        elif m.get("multiple"):
+            deco = click.option(_flag(f), f.name, multiple=True, help=_help(f), hidden=m["hidden"])
         else:
             kind = m["cli_type"] or (int if f.type.startswith("int") else str)
             default = None if f.name == "budget" else f.default
@@ -263,6 +271,10 @@ def _check(f: dataclasses.Field, v: Any) -> None:
             return
         raise UserError(f"{name} must be given")
     base = f.type.split(" |")[0]
+    if base.startswith("tuple"):
+        if not isinstance(v, (tuple, list)) or not all(isinstance(x, str) for x in v):
+            raise UserError(f"{name} must be a list of strings, got {v!r}")
+        return
     if base == "bool":
         if not isinstance(v, bool):
             raise UserError(f"{name} must be true or false, got {v!r}")

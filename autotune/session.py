@@ -61,6 +61,9 @@ def tune(opts: RunOptions, display: ProgressDisplay | None = None, *,
     from autotune.usercmd.job import attach_user_job, prepare_user_job
 
     display = display or ProgressDisplay(budget=opts.budget)
+    if opts.knobs and not command:
+        raise UserError("--knob maps a model setting to a flag of your own script; the built-in workload's "
+                        "are --partition-method and --activation-checkpoint-interval")
     job = prepare_user_job(opts, command, display.note) if command else None  # sets config, stages, dp
     base, space = prepare(opts, built_in=job is None)
     check_precision(base)  # a precision the devices lack would fail every trial alike
@@ -102,6 +105,11 @@ def tune(opts: RunOptions, display: ProgressDisplay | None = None, *,
                 display.note("--balance-stages: not available for a user command yet (docs/partition.md)")
             else:
                 balancer = StageBalancer(runner, study.root, display.note)
+        if job and opts.knobs:  # the user's model settings mapped to their flags (usercmd/knobs.py)
+            from autotune.usercmd.knobs import KnobSweep, parse_knobs
+
+            runner.knobs = parse_knobs(opts.knobs)
+            balancer = KnobSweep(runner, runner.knobs, study.root, display.note)
         tuner = Tuner(study=study, runner=runner, space=space, proposer=proposer,
                       baseline=baseline, display=display, budget=opts.budget,
                       trial_timeout=opts.trial_timeout, rules_fired=fired, exporter=exporter,

@@ -84,7 +84,8 @@ class Tuner:
                  exporter: Any | None = None, balancer: Any | None = None) -> None:
         self.study, self.runner, self.space, self.proposer = study, runner, space, proposer
         self.balancer = balancer
-        """The partition step (autotune/balance.py), with --balance-stages."""
+        """A model-setting step around the search: the partition (autotune/balance.py,
+        --balance-stages) or the user's mapped knobs (autotune/usercmd/knobs.py, --knob)."""
         self.baseline, self.display, self.budget = baseline, display, budget
         self.trial_timeout = trial_timeout
         self.rules_fired = rules_fired

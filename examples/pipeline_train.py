@@ -84,6 +84,8 @@ def main() -> None:
     parser.add_argument("--stages", type=int, default=2)
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--save-dir", default="checkpoints")
+    parser.add_argument("--partition", default="parameters",
+                        help="PipelineModule partition_method: parameters, uniform or type:REGEX")
     parser = deepspeed.add_config_arguments(parser)
     args = parser.parse_args()
 
@@ -92,7 +94,7 @@ def main() -> None:
     deepspeed.init_distributed()
     layers = [LayerSpec(Embedding), *[LayerSpec(Block) for _ in range(LAYERS)], LayerSpec(Head)]
     model = PipelineModule(layers=layers, num_stages=args.stages, loss_fn=loss_fn,
-                           partition_method="parameters")
+                           partition_method=args.partition)
     engine, _, _, _ = deepspeed.initialize(
         args=args, model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
         training_data=TokenDataset(4096, args.seed),

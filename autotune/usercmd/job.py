@@ -105,6 +105,10 @@ def prepare_user_job(opts: Any, argv: list[str], note: Callable[[str], None]) ->
         raise UserError("--fault injects faults into the built-in workload only")
     cwd = Path.cwd().resolve()
     cmd = with_autotune_launcher_options(parse_command(argv, cwd=cwd), opts)
+    if opts.knobs:  # a knob that names no flag, or the config's: one line before anything runs
+        from autotune.usercmd.knobs import check_against_command, parse_knobs
+
+        check_against_command(parse_knobs(opts.knobs), cmd.script_args, cmd.config_at)
     check_launcher_installed(cmd)
     cluster = resolve_cluster(cmd.cluster_options(), None)  # hostfile, launcher, hosts: before any run
     if cluster is not None:

@@ -192,6 +192,10 @@ class UserCommandRunner:
         self.steps, self.warmup_steps = steps, warmup_steps
         self.job, self.metrics_port, self.metrics_addr = job, metrics_port, metrics_addr
         self.cluster = None
+        self.knobs: list = []
+        """The model settings mapped to the script's flags (--knob, usercmd/knobs.py)."""
+        self.knob_values: dict[str, str] = {}
+        """This trial's values of them (set by the knob step before each trial)."""
         """Where the ranks run when the command names nodes (set by job.py; resume clean-up reads it)."""
 
     def _is_unchanged(self, config: TrialConfig) -> bool:
@@ -219,6 +223,12 @@ class UserCommandRunner:
                                      warmup_steps=self.warmup_steps, steps=self.steps,
                                      metrics_port=self.metrics_port, metrics_addr=self.metrics_addr,
                                      job=self.job, layer_costs=self.layer_costs, parts=self.parts)
-        outcome = launch(self.command, ds_config=ds_path, cwd=self.cwd, run_dir=trial_dir,
+        command = self.command
+        if self.knobs:  # the script's own flags for the mapped model settings (usercmd/knobs.py)
+            from autotune.usercmd.knobs import TRIAL_FILE, apply_knobs
+
+            command = apply_knobs(command, self.knob_values, self.knobs)
+            (trial_dir / TRIAL_FILE).write_text(json.dumps(self.knob_values) + "\n", encoding="utf-8")
+        outcome = launch(command, ds_config=ds_path, cwd=self.cwd, run_dir=trial_dir,
                          settings=settings, timeout=timeout, on_start=on_start)
         return judge_user_trial(outcome, trial_dir, timeout, steps_needed=settings.total_steps)

@@ -1,0 +1,225 @@
+"""Model-level knobs of the user's own script, mapped to its flags: `--knob NAME[:V1,V2,...]=TEMPLATE`.
+
+The script owns its model settings (partition method, activation checkpoint interval), so
+autotune leaves them alone unless the user maps one to a flag of theirs:
+
+    --knob 'partition_method=--partition {value}'
+    --knob 'activation_checkpoint_interval:0,1,2=--ckpt-every={value}'
+
+TEMPLATE is the flag as the script takes it, `{value}` where the value goes (one word,
+`--flag {value}`, or `--flag={value}`). The values after NAME are the candidates; the known
+names have defaults (`KNOWN`). The command's own value of the flag, when it has one, is the
+baseline's; every trial that sets another value replaces it in place (or appends the flag).
+
+How a knob is searched (`KnobSweep`): model settings change how the model is built, not the
+batch layout, so they are swept once, at the baseline's micro-batch and GAS, one knob after
+the other, each candidate value one trial; the fastest value (the baseline's if none beats
+it) is kept for every later trial, which the Bayesian search then spends on micro-batch,
+GAS and bucket. The sweep is written to `STUDY/knobs.json` and rebuilt from it on resume.
+What this does not see: a knob whose best value depends on the micro-batch (activation
+checkpointing frees memory for a larger one); docs/user-script.md says so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from autotune.errors import UserError
+from autotune.fileio import write_atomic
+from autotune.proposers.base import Proposal
+
+PLACE = "{value}"
+KNOWN = {"partition_method": ("parameters", "uniform"), "activation_checkpoint_interval": ("0", "1")}
+"""Default candidates of the knobs every PipelineModule has (its constructor's arguments)."""
+REFUSED = {"stages": "the stage count is the engine's (measured on the start-up check); another "
+                     "count changes the ranks, so it cannot be swept inside one study"}
+SOURCE_PREFIX = "knob:"
+RESULT_NAME = "knobs.json"
+TRIAL_FILE = "knobs.json"
+_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Knob:
+    name: str
+    flag: str
+    joined: bool
+    """`--flag={value}` (one word) rather than `--flag {value}`."""
+    values: tuple[str, ...]
+
+    def tokens(self, value: str) -> list[str]:
+        return [f"{self.flag}={value}"] if self.joined else [self.flag, value]
+
+
+def parse_knob(text: str) -> Knob:
+    """One `--knob` value; every problem is one UserError saying how to write it."""
+    head, eq, template = text.partition("=")
+    how = "write it as --knob 'NAME=--flag {value}' or --knob 'NAME:V1,V2=--flag={value}'"
+    if not eq or not template.strip():
+        raise UserError(f"--knob {text!r} maps no flag; {how}")
+    name, colon, listed = head.strip().partition(":")
+    if not _NAME.match(name):
+        raise UserError(f"--knob {text!r}: {name!r} is not a knob name; {how}")
+    if name in REFUSED:
+        raise UserError(f"--knob {name}: not a knob here: {REFUSED[name]}")
+    values = tuple(v.strip() for v in listed.split(",") if v.strip()) if colon else KNOWN.get(name, ())
+    if not values:
+        raise UserError(f"--knob {name}: no values to try; list them: --knob '{name}:V1,V2=...' "
+                        f"(names with default values: {', '.join(sorted(KNOWN))})")
+    if len(set(values)) != len(values):
+        raise UserError(f"--knob {name}: a value is listed twice")
+    words = template.split()
+    if PLACE not in template:
+        raise UserError(f"--knob {text!r}: the flag has no {PLACE}; {how}")
+    if len(words) == 2 and words[1] == PLACE:
+        flag, joined = words[0], False
+    elif len(words) == 1 and words[0].endswith("=" + PLACE):
+        flag, joined = words[0][:-len("=" + PLACE)], True
+    else:
+        raise UserError(f"--knob {text!r} names no flag of the script; {how}")
+    if not flag.startswith("-") or not flag.strip("-") or "=" in flag or PLACE in flag:
+        raise UserError(f"--knob {text!r}: {flag!r} is not a flag (it must start with -); {how}")
+    return Knob(name=name, flag=flag, joined=joined, values=values)
+
+
+def parse_knobs(texts: tuple[str, ...] | list[str]) -> list[Knob]:
+    knobs = [parse_knob(t) for t in texts]
+    names = [k.name for k in knobs]
+    for k in knobs:
+        if names.count(k.name) > 1:
+            raise UserError(f"--knob {k.name} is given more than once")
+    flags = [k.flag for k in knobs]
+    for k in knobs:
+        if flags.count(k.flag) > 1:
+            raise UserError(f"--knob: {k.flag} is mapped to more than one knob")
+    return knobs
+
+
+def value_in(script_args: tuple[str, ...], knob: Knob) -> str | None:
+    """The command's own value of the knob's flag (either spelling), or None."""
+    for i, a in enumerate(script_args):
+        name, eq, value = a.partition("=")
+        if name == knob.flag:
+            if eq:
+                return value
+            if i + 1 < len(script_args):
+                return script_args[i + 1]
+    return None
+
+
+def with_value(script_args: tuple[str, ...], knob: Knob, value: str) -> tuple[str, ...]:
+    """The script args with the knob's flag set to `value`: replaced in place, else appended.
+    In-place replacement keeps every other argument's index (the config's among them)."""
+    out = list(script_args)
+    for i, a in enumerate(out):
+        name, eq, _ = a.partition("=")
+        if name == knob.flag:
+            if eq:
+                out[i] = f"{name}={value}"
+            elif i + 1 < len(out):
+                out[i + 1] = value
+            return tuple(out)
+    return (*out, *knob.tokens(value))
+
+
+def check_against_command(knobs: list[Knob], script_args: tuple[str, ...], config_at: int | None) -> None:
+    for k in knobs:
+        for i, a in enumerate(script_args):
+            if a.partition("=")[0] == k.flag and config_at is not None and i + 1 == config_at:
+                raise UserError(f"--knob {k.name}: {k.flag} is where the command takes the DeepSpeed config")
+
+
+class KnobSweep:
+    """The knob step of a tuning run: one trial per candidate value, at the baseline's layout."""
+
+    def __init__(self, runner: Any, knobs: list[Knob], study_root: Path,
+                 note: Callable[[str], None] = print) -> None:
+        self.runner, self.knobs, self.root, self.note = runner, knobs, Path(study_root), note
+        own = runner.command.script_args
+        self.kept: dict[str, str | None] = {k.name: value_in(own, k) for k in knobs}
+        """The value each knob runs with outside its sweep (None: the script's own default)."""
+        self.queue: list[Proposal] = []
+        self.results: dict[str, dict[str, float | None]] = {k.name: {} for k in knobs}
+        self.baseline_sps: float | None = None
+        self.planned = False
+
+    # -- around each trial --------------------------------------------------------------------
+    def before(self, number: int, proposal: Proposal) -> None:
+        values = dict(self.kept)
+        if proposal.source.startswith(SOURCE_PREFIX):
+            name, _, value = proposal.source[len(SOURCE_PREFIX):].partition("=")
+            values[name] = value
+        self.runner.knob_values = {k: v for k, v in values.items() if v is not None}
+
+    def after(self, number: int, proposal: Proposal, ok: bool, samples_per_second: float | None,
+              summary: Any) -> None:
+        if proposal.source == "baseline":
+            if ok:
+                self.baseline_sps = float(samples_per_second or 0.0)
+                self._plan(proposal)
+        elif proposal.source.startswith(SOURCE_PREFIX):
+            name, _, value = proposal.source[len(SOURCE_PREFIX):].partition("=")
+            self.results[name][value] = float(samples_per_second) if ok and samples_per_second else None
+            if not any(p.source.startswith(f"{SOURCE_PREFIX}{name}=") for p in self.queue):
+                self._decide(name)
+        self._write()
+
+    def next_proposal(self) -> Proposal | None:
+        return self.queue.pop(0) if self.queue else None
+
+    def replay(self, finished: list[Any], redo: list[Any]) -> None:
+        """Rebuild the sweep from the study's finished trials (a resume)."""
+        base = next((t for t in finished if t.number == 0), None)
+        if base is None or base.status != "ok":
+            return
+        self.after(0, Proposal(config=base.config, source="baseline"), True, base.samples_per_second, None)
+        for t in sorted(finished, key=lambda t: t.number):
+            if t.source.startswith(SOURCE_PREFIX):
+                self.queue = [p for p in self.queue if p.source != t.source]
+                self.after(t.number, Proposal(config=t.config, source=t.source), t.status == "ok",
+                           t.samples_per_second, None)
+        pending = {t.source for t in redo}
+        self.queue = [p for p in self.queue if p.source not in pending]
+
+    # -- the decision -----------------------------------------------------------------------------
+    def _plan(self, baseline: Proposal) -> None:
+        if self.planned:
+            return
+        self.planned = True
+        for k in self.knobs:
+            for v in k.values:
+                if v != self.kept[k.name]:
+                    self.queue.append(Proposal(
+                        config=baseline.config, source=f"{SOURCE_PREFIX}{k.name}={v}",
+                        reason=f"knob {k.name}: {' '.join(k.tokens(v))} at the baseline's micro-batch and GAS"))
+
+    def _decide(self, name: str) -> None:
+        base = self.baseline_sps or 0.0
+        measured = {v: s for v, s in self.results[name].items() if s is not None}
+        best = max(measured, key=measured.get) if measured else None
+        if best is not None and measured[best] > base:
+            self.kept[name] = best
+            self.note(f"      knob {name}: {best} kept for the later trials ({measured[best]:.1f} against "
+                      f"{base:.1f} samples/s with the command's own value)")
+        else:
+            self.note(f"      knob {name}: no value beat the command's own ({base:.1f} samples/s); kept as it was")
+
+    def _write(self) -> None:
+        info = {"baseline_samples_per_second": self.baseline_sps, "kept": self.kept,
+                "measured": self.results, "pending": [p.source for p in self.queue]}
+        write_atomic(self.root / RESULT_NAME, json.dumps(info, indent=2) + "\n")
+
+
+def apply_knobs(command: Any, values: dict[str, str], knobs: list[Knob]) -> Any:
+    """The command with each knob's value in its script args."""
+    args = command.script_args
+    for k in knobs:
+        if k.name in values:
+            args = with_value(args, k, values[k.name])
+    return dataclasses.replace(command, script_args=args)
