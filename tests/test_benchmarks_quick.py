@@ -63,6 +63,14 @@ def test_tuning_gain(tmp_path):
     assert re.search(r"tuned / sweep best: (the same configuration|[\d.]+%)", out), out[-2000:]
 
 
+def test_trial_cost(tmp_path):
+    out = run([sys.executable, "benchmarks/trial_cost.py", "--quick", "--out", str(tmp_path)], timeout=900)
+    figure(out, r"wall / step time: fresh ([\d.]+)x", 1, 10_000)
+    figure(out, r"wall / step time: fresh [\d.]+x, warm ([\d.]+)x", 1, 10_000)
+    figure(out, r"speed-up of the whole run \(fresh wall / warm wall\): ([\d.]+)x", 0.05, 100)
+    figure(out, r"warm pick / fresh pick: ([\d.]+)%", 1, 10_000)
+
+
 def test_partition_balance(tmp_path):
     out = run([sys.executable, "benchmarks/partition_balance.py", "--quick", "--out", str(tmp_path)], timeout=900)
     figure(out, r"2 stages: balanced imbalance ([\d.]+)", 0.9, 10)

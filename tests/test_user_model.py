@@ -1,7 +1,7 @@
 """`--model MODULE:FUNCTION`: the user's own PipelineModule in the built-in trial loop.
 
 Bad paths are refused before any trial (one line, exit 2, no study); the example module
-(examples/user_model.py) is tuned for real in warm workers."""
+(examples/my_pipeline.py) is tuned for real in warm workers."""
 
 from __future__ import annotations
 
@@ -51,15 +51,17 @@ def test_bad_model_paths_are_one_line_before_any_trial(tmp_path, path, needle):
 
 
 def test_the_example_model_is_tuned_in_warm_workers(tmp_path):
+    """Copied as `model.py` into the working directory: a name autotune/workload also has
+    (the rank script's folder must not shadow the user's module)."""
     cfg = write_config(tmp_path)
+    (tmp_path / "model.py").write_text((EXAMPLES / "my_pipeline.py").read_text())
     res = autotune_cli("run", "--budget", "2", "--study", "st", "--config", str(cfg),
-                       "--model", "user_model:build_pipeline", *FAST, cwd=tmp_path, timeout=900,
-                       env={"PYTHONPATH": str(EXAMPLES)})
+                       "--model", "model:build_pipeline", *FAST, cwd=tmp_path, timeout=900)
     assert res.returncode == 0, (res.stdout[-3000:], res.stderr[-3000:])
     study = tmp_path / "st"
     assert [(r[0], r[1]) for r in rows(study)] == [(0, "ok"), (1, "ok")]
     settings = json.loads((study / "trial-000" / "trial.json").read_text())
-    assert settings["workload"]["model"] == "user_model:build_pipeline"
+    assert settings["workload"]["model"] == "model:build_pipeline"
     log = (study / "trial-000" / "launcher.log").read_text()
     assert "Block" in log and "DecoderLayerPipe" not in log  # the user's layers, not the built-in ones
     assert (study / "trial-001" / "worker-memory.json").exists()  # warm

@@ -49,8 +49,13 @@ def parse_model_path(path: str) -> tuple[str, str]:
 
 def load_builder(path: str) -> Callable[..., Any]:
     module_name, func = parse_model_path(path)
+    # A rank script's own folder (autotune/workload, sys.path[0] in a rank) would shadow a user
+    # module named model, data, ...: the user's code is looked up in the working directory
+    # (the ranks start in the controller's) and PYTHONPATH instead.
+    ours = os.path.dirname(os.path.abspath(__file__))
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != ours]
     if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())  # the ranks start in the controller's working directory
+        sys.path.insert(0, os.getcwd())
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:  # noqa: BLE001 - any failure of user code at import is one line

@@ -1,9 +1,9 @@
-"""An example for `autotune run --model user_model:build_pipeline` (docs/warm-workers.md).
+"""An example for `autotune run --model my_pipeline:build_pipeline` (docs/warm-workers.md).
 
 A small causal-free token model as DeepSpeed pipeline layers: the built-in synthetic token
 stream feeds it ((input_ids, labels), ids below 256, the tiny preset's vocabulary).
 
-    PYTHONPATH=examples autotune run --model user_model:build_pipeline --budget 5
+    PYTHONPATH=examples autotune run --model my_pipeline:build_pipeline --budget 5
 """
 
 from __future__ import annotations
