@@ -91,7 +91,7 @@ def start_run_endpoints(*, job: str, addr: str, controller_port: int | None, ran
     targets = LiveTargets(path, fixed)
     if rank_port is not None:
         if world_size is None:  # not known before the job starts (autotune watch)
-            span = f"{rank_port} + local rank"
+            span = f"({rank_port} + local rank)"
         else:
             span = f"{rank_port}..{rank_port + world_size - 1}" if world_size > 1 else str(rank_port)
         note(f"rank metrics: http://{addr}:{span}/metrics while the ranks run (a taken port falls back; "

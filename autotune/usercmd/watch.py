@@ -285,8 +285,10 @@ class Watch:
             raise
         proc.stop(grace=2.0)  # anything the launcher left behind; the /dev/shm buffers by its port
         echo.pump(final=True)
-        self._evaluate(final=True)
-        self._close()
+        try:
+            self._evaluate(final=True)
+        finally:
+            self._close()
         note(f"watch: the job exited with code {rc}; metrics in {self.run_dir}")
         return rc
 
@@ -316,7 +318,7 @@ class Watch:
                 if rc is not None:
                     return 128 - rc if rc < 0 else rc  # killed by a signal: the shell's convention
                 if time.monotonic() >= next_eval:
-                    summary = self._evaluate()
+                    summary = self._evaluate_safely()
                     next_eval = time.monotonic() + self.opts.interval
                     if status is not None and summary is not None:
                         status.update(f"watching: {_describe(summary)}")
@@ -340,6 +342,15 @@ class Watch:
         self.say(f"watch: the job: {e['stages']} pipeline stages x {e['dp']} data-parallel = "
                           f"{e['stages'] * e['dp']} ranks, micro {e['micro_batch_size']} x GAS "
                           f"{e['gradient_accumulation_steps']}")
+
+    def _evaluate_safely(self) -> Any:
+        """A failing evaluation is said and skipped: the watcher never takes the job down."""
+        try:
+            return self._evaluate()
+        except Exception as exc:  # noqa: BLE001 - the job runs on; the next evaluation tries again
+            self.say(f"watch: the advisor could not evaluate the metrics so far ({exc.__class__.__name__}: "
+                     f"{exc}); trying again in {self.opts.interval:g} s")
+            return None
 
     def _evaluate(self, final: bool = False) -> Any:
         """Findings over the CSVs so far; printed (and served) when they changed."""
