@@ -285,10 +285,8 @@ class Watch:
             raise
         proc.stop(grace=2.0)  # anything the launcher left behind; the /dev/shm buffers by its port
         echo.pump(final=True)
-        try:
-            self._evaluate(final=True)
-        finally:
-            self._close()
+        self._evaluate_safely(final=True)
+        self._close()
         note(f"watch: the job exited with code {rc}; metrics in {self.run_dir}")
         return rc
 
@@ -343,10 +341,10 @@ class Watch:
                           f"{e['stages'] * e['dp']} ranks, micro {e['micro_batch_size']} x GAS "
                           f"{e['gradient_accumulation_steps']}")
 
-    def _evaluate_safely(self) -> Any:
+    def _evaluate_safely(self, final: bool = False) -> Any:
         """A failing evaluation is said and skipped: the watcher never takes the job down."""
         try:
-            return self._evaluate()
+            return self._evaluate(final)
         except Exception as exc:  # noqa: BLE001 - the job runs on; the next evaluation tries again
             self.say(f"watch: the advisor could not evaluate the metrics so far ({exc.__class__.__name__}: "
                      f"{exc}); trying again in {self.opts.interval:g} s")
