@@ -98,3 +98,26 @@ def test_tuning_run_balances_an_unbalanced_baseline(tmp_path):
     assert spec["workload"]["partition_method"] == "parts:" + ",".join(map(str, decision["parts"]))
     assert decision["decision"] in ("kept", "rejected")
     assert "partition" in proc.stdout + proc.stderr
+
+
+@pytest.mark.slow
+def test_a_users_script_gets_the_hooks_and_the_parts(tmp_path):
+    """An unmodified user script: the bootstrap builds its PipelineModule with the given parts
+    (its own code asks for `parameters`) and the layer-cost sink rides on its engine."""
+    import os
+    import sys
+    from pathlib import Path
+
+    examples = Path(__file__).resolve().parents[1] / "examples"
+    env = {"PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+           "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    command = ["deepspeed", "--num_gpus", "2", str(examples / "pipeline_train.py"),
+               "--deepspeed_config", str(examples / "ds_config.json"), "--steps", "100000", "--save-dir", "ckpt"]
+    proc = autotune_cli("run", "--budget", "1", "--study", "st", "--steps", "2", "--warmup-steps", "1",
+                        "--layer-costs", "--partition-method", "parts:0,2,6", "--no-metrics", "--", *command,
+                        cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lc = read_trial_layer_costs(tmp_path / "st" / "trial-000")
+    assert lc.parts == [0, 2, 6]
+    assert lc.names[0] == "Embedding" and lc.names[-1] == "Head"
+    assert all(f > 0 for f in lc.forward_seconds) and all(b > 0 for b in lc.backward_seconds[1:])
