@@ -98,13 +98,10 @@ def tune(opts: RunOptions, display: ProgressDisplay | None = None, *,
         exporter = _live_metrics(opts, display, study)
         runner = job.runner(opts, base) if job else TrialRunner(wl, base, note=display.note, cluster=cluster)
         balancer = None
-        if wl.balance_stages:  # the partition step (autotune/balance.py); the built-in workload only
+        if wl.balance_stages:  # the partition step (autotune/balance.py)
             from autotune.balance import StageBalancer
 
-            if job:
-                display.note("--balance-stages: not available for a user command yet (docs/partition.md)")
-            else:
-                balancer = StageBalancer(runner, study.root, display.note)
+            balancer = StageBalancer(runner, study.root, display.note)
         if job and opts.knobs:  # the user's model settings mapped to their flags (usercmd/knobs.py)
             from autotune.usercmd.knobs import KnobSweep, parse_knobs
 
