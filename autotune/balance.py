@@ -1,4 +1,4 @@
-"""The partition step of a tuning run (`autotune run --balance-stages`, the built-in workload).
+"""The partition step of a tuning run (`autotune run --balance-stages`).
 
 The partition is a model setting, not a ds_config key, and one good partition serves
 every micro-batch and GAS, so it is not a dimension of the Bayesian space. It is one
@@ -7,7 +7,8 @@ decision, taken once:
 1. the baseline trial runs with the layer-cost hooks on (autotune/layer_costs.py);
 2. when its measured stage compute imbalance is above `THRESHOLD`, the next trial runs
    the baseline's configuration with the parts autotune/partition.py computes from
-   those costs (`parts:` method, autotune/pipeline_parts.py), hooks on again so the two
+   those costs (`parts:` method, autotune/pipeline_parts.py; for a user's command the
+   bootstrap forces the parts on the script's PipelineModule), hooks on again so the two
    trials cost the same to measure;
 3. when that trial is faster, every later trial keeps the parts; otherwise the study's
    own partition method comes back.
@@ -43,7 +44,9 @@ class StageBalancer:
         self.runner = runner
         self.root = Path(study_root)
         self.note = note
-        self.method = runner.workload.partition_method
+        self.user_command = not hasattr(runner, "workload")
+        """A user's command (usercmd/runner.py): its own code picks the method; parts are forced."""
+        self.method = "the script's own" if self.user_command else runner.workload.partition_method
         """The study's own partition method (what trials run without a kept partition)."""
         self.pending: Proposal | None = None
         self.parts: list[int] | None = None
@@ -55,6 +58,12 @@ class StageBalancer:
     # -- around each trial ------------------------------------------------------------------
     def before(self, number: int, proposal: Proposal) -> None:
         """Set the runner's workload for this trial: hooks on the baseline and the partition trial."""
+        if self.user_command:
+            measuring = proposal.source in ("baseline", SOURCE)
+            self.runner.layer_costs = measuring
+            use = self.parts if proposal.source == SOURCE or (self.decided and self.kept) else None
+            self.runner.parts = list(use) if use is not None and proposal.source != "baseline" else None
+            return
         wl = self.runner.workload
         if proposal.source == "baseline":
             wl = dataclasses.replace(wl, layer_costs=True, partition_method=self.method)
