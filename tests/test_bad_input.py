@@ -82,6 +82,7 @@ def folder_hash(root: Path) -> str:
     (["--seed", "-1"], "--seed"),
     (["--fault", "meteor@1"], "unknown fault"),
     (["--activation-checkpoint-interval", "-2"], "activation-checkpoint-interval"),
+    (["--workers", "lukewarm"], "--workers 'lukewarm': use warm or fresh"),
 ])
 def test_run_arguments_out_of_range(tmp_path, args, needle):
     study = tmp_path / "st"
