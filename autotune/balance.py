@@ -11,7 +11,10 @@ decision, taken once:
    bootstrap forces the parts on the script's PipelineModule), hooks on again so the two
    trials cost the same to measure;
 3. when that trial is faster, every later trial keeps the parts; otherwise the study's
-   own partition method comes back.
+   own partition method comes back. When the kept trial is still above `THRESHOLD`
+   (layer costs measured on one partition do not carry exactly to another: a stage's
+   neighbours and its share of the cores change), its own layer costs give one more
+   candidate, up to `MAX_ROUNDS` partition trials.
 
 The decision is written to `STUDY/partition.json` (the parts, both throughputs, which
 layers moved) and rebuilt from the study's trial folders on resume, so a resumed study
@@ -33,6 +36,8 @@ from autotune.space import TrialConfig
 
 THRESHOLD = 1.10
 """Stage compute imbalance (max / mean) above which the partition trial runs (the goal of issue 13)."""
+MAX_ROUNDS = 2
+"""Partition trials at most in one study."""
 SOURCE = "partition"
 RESULT_NAME = "partition.json"
 
@@ -49,53 +54,54 @@ class StageBalancer:
         self.method = "the script's own" if self.user_command else runner.workload.partition_method
         """The study's own partition method (what trials run without a kept partition)."""
         self.pending: Proposal | None = None
-        self.parts: list[int] | None = None
-        self.baseline: tuple[int, float] | None = None
-        self.decided = False
-        self.kept = False
-        self.info: dict[str, Any] = {}
+        self.candidate: list[int] | None = None
+        """The parts the next (or running) partition trial measures."""
+        self.kept: list[int] | None = None
+        """The parts later trials run with (None: the study's own method)."""
+        self.best = 0.0
+        """samples/s of the trial whose partition is kept (the baseline's at first)."""
+        self.rounds = 0
+        self.info: dict[str, Any] = {"rounds": []}
 
     # -- around each trial ------------------------------------------------------------------
     def before(self, number: int, proposal: Proposal) -> None:
-        """Set the runner's workload for this trial: hooks on the baseline and the partition trial."""
+        """Set the runner for this trial: hooks on the baseline and partition trials, the parts."""
+        measuring = proposal.source in ("baseline", SOURCE)
+        parts = (None if proposal.source == "baseline" else
+                 self.candidate if proposal.source == SOURCE and self.candidate is not None else self.kept)
         if self.user_command:
-            measuring = proposal.source in ("baseline", SOURCE)
             self.runner.layer_costs = measuring
-            use = self.parts if proposal.source == SOURCE or (self.decided and self.kept) else None
-            self.runner.parts = list(use) if use is not None and proposal.source != "baseline" else None
+            self.runner.parts = list(parts) if parts is not None else None
             return
-        wl = self.runner.workload
-        if proposal.source == "baseline":
-            wl = dataclasses.replace(wl, layer_costs=True, partition_method=self.method)
-        elif proposal.source == SOURCE and self.parts is not None:
-            from autotune.pipeline_parts import method_for
+        from autotune.pipeline_parts import method_for
 
-            wl = dataclasses.replace(wl, layer_costs=True, partition_method=method_for(self.parts))
-        else:
-            wl = dataclasses.replace(wl, layer_costs=False, partition_method=self._kept_method())
-        self.runner.workload = wl
+        method = method_for(parts) if parts is not None else self.method
+        self.runner.workload = dataclasses.replace(self.runner.workload, layer_costs=measuring,
+                                                   partition_method=method)
 
     def after(self, number: int, proposal: Proposal, ok: bool, samples_per_second: float | None,
               summary: Any) -> None:
         if proposal.source == "baseline" and ok and summary is not None:
-            self.baseline = (number, float(samples_per_second or 0.0))
-            self._plan(number, proposal.config, summary.stage_compute_imbalance, summary.slowest_stage)
-        elif proposal.source == SOURCE and self.parts is not None:
-            self._decide(ok, samples_per_second)
+            self.best = float(samples_per_second or 0.0)
+            self.info["baseline_samples_per_second"] = self.best
+            self._plan(number, proposal.config, summary)
+        elif proposal.source == SOURCE and self.candidate is not None:
+            self._decide(number, proposal.config, ok, samples_per_second, summary)
 
     def next_proposal(self) -> Proposal | None:
-        """The partition trial, once, right after an unbalanced baseline."""
+        """The partition trial, once per round, right after the trial that measured its costs."""
         p, self.pending = self.pending, None
         return p
 
     # -- the decision ------------------------------------------------------------------------
-    def _plan(self, number: int, config: TrialConfig, measured_imbalance: float, slowest: int) -> None:
+    def _plan(self, number: int, config: TrialConfig, summary: Any) -> None:
         from autotune.layer_costs import read_trial_layer_costs
         from autotune.partition import balanced_parts, describe_moves, imbalance, stage_times
 
-        if measured_imbalance <= THRESHOLD:
-            self._write(decision="balanced already", measured_imbalance=measured_imbalance)
-            self.decided = True
+        measured = float(summary.stage_compute_imbalance)
+        if measured <= THRESHOLD or self.rounds >= MAX_ROUNDS:
+            self._write(decision="balanced" if measured <= THRESHOLD else "rounds spent",
+                        measured_imbalance=measured)
             return
         try:
             lc = read_trial_layer_costs(self.root / f"trial-{number:03d}")
@@ -103,45 +109,50 @@ class StageBalancer:
             self.note(f"      partition: the layer costs of trial {number} cannot be read ({exc})")
             return
         if lc is None:
-            self.note(f"      partition: trial {number} wrote no layer costs; the partition stays {self.method}")
+            self.note(f"      partition: trial {number} wrote no layer costs; the partition stays as it is")
             return
         parts = balanced_parts(lc.costs, lc.stages, stage_fixed=lc.stage_fixed_seconds)
-        before = stage_times(lc.costs, lc.parts, lc.stage_fixed_seconds)
         after = stage_times(lc.costs, parts, lc.stage_fixed_seconds)
         moved = describe_moves(lc.parts, parts, lc.names)
-        self.info = {"measured_parts": lc.parts, "parts": parts, "measured_imbalance": measured_imbalance,
-                     "slowest_stage": slowest, "predicted_imbalance_before": imbalance(before),
-                     "predicted_imbalance_after": imbalance(after), "moves": moved}
+        if "measured_parts" not in self.info:
+            self.info.update(measured_parts=lc.parts, measured_imbalance=measured,
+                             slowest_stage=int(summary.slowest_stage))
         if parts == lc.parts:
-            self._write(decision="no better contiguous partition")
-            self.decided = True
+            if not self.rounds:
+                self._write(decision="no better contiguous partition")
             return
-        self.parts = parts
+        self.candidate = parts
+        self.info["rounds"].append({"from_trial": number, "parts": parts, "moves": moved,
+                                    "predicted_imbalance": imbalance(after)})
+        if not self.rounds:
+            self._write(decision="measuring")
         self.pending = Proposal(
             config=config, source=SOURCE,
-            reason=f"stage {slowest} is {measured_imbalance:.2f}x the mean stage; measured layer costs "
-                   f"balance as parts {parts} (predicted imbalance {imbalance(after):.2f}): {moved}")
+            reason=f"stage {summary.slowest_stage} is {measured:.2f}x the mean stage; the layer costs of trial "
+                   f"{number} balance as parts {parts} (predicted imbalance {imbalance(after):.2f}): {moved}")
 
-    def _decide(self, ok: bool, samples_per_second: float | None) -> None:
-        base = self.baseline[1] if self.baseline else 0.0
-        kept = bool(ok and samples_per_second is not None and samples_per_second > base)
-        self.decided = True
-        if not kept:
-            self.note(f"      partition: parts {self.parts} measured {samples_per_second or 0:.1f} samples/s "
-                      f"against {base:.1f}; later trials keep {self.method}")
+    def _decide(self, number: int, config: TrialConfig, ok: bool, samples_per_second: float | None,
+                summary: Any) -> None:
+        self.rounds += 1
+        parts, self.candidate = self.candidate, None
+        sps = float(samples_per_second or 0.0)
+        faster = bool(ok and samples_per_second is not None and sps > self.best)
+        current = self.info["rounds"][-1]
+        current.update(trial=number, samples_per_second=samples_per_second, kept=faster,
+                       measured_imbalance=float(summary.stage_compute_imbalance) if summary is not None else None)
+        if faster:
+            self.note(f"      partition: parts {parts} kept for the later trials ({sps:.1f} against "
+                      f"{self.best:.1f} samples/s)")
+            self.kept, self.best = parts, sps
         else:
-            self.note(f"      partition: parts {self.parts} kept for the later trials "
-                      f"({samples_per_second:.1f} against {base:.1f} samples/s)")
-        self.kept = kept
-        self._write(decision="kept" if kept else "rejected", baseline_samples_per_second=base,
-                    partition_samples_per_second=samples_per_second)
-
-    def _kept_method(self) -> str:
-        if self.decided and self.kept and self.parts is not None:
-            from autotune.pipeline_parts import method_for
-
-            return method_for(self.parts)
-        return self.method
+            keep = self.kept if self.kept is not None else self.method
+            self.note(f"      partition: parts {parts} measured {sps:.1f} samples/s against {self.best:.1f}; "
+                      f"later trials keep {keep}")
+        self.info.update(parts=self.kept, kept_samples_per_second=self.best)
+        self._write(decision="kept" if self.kept is not None else "rejected")
+        if (faster and summary is not None and summary.stage_compute_imbalance > THRESHOLD
+                and self.rounds < MAX_ROUNDS):
+            self._plan(number, config, summary)  # still unbalanced: one more round from its own costs
 
     def _write(self, **fields: Any) -> None:
         self.info.update(fields)
@@ -150,20 +161,23 @@ class StageBalancer:
 
     # -- resume ------------------------------------------------------------------------------
     def replay(self, finished: list[Any], redo: list[Any]) -> None:
-        """Rebuild the decision from the study's finished trials (a resume); an interrupted
-        partition trial in `redo` runs again as itself, not a second time."""
-        by_number = {t.number: t for t in finished}
-        base = by_number.get(0)
-        if base is None or base.status != "ok" or not base.summary:
-            return
+        """Rebuild the decision from the study's finished trials (a resume), in trial order: each
+        step reads the same layer-cost files it read when it ran. An interrupted partition trial
+        in `redo` runs again as itself, not a second time."""
         from autotune.summary import TrialSummary
 
-        summary = TrialSummary.from_dict(base.summary)
-        self.after(0, Proposal(config=base.config, source="baseline"), True, base.samples_per_second, summary)
-        done = [t for t in finished if t.source == SOURCE]
-        if done and self.parts is not None:
-            self.pending = None
-            t = done[-1]
-            self._decide(t.status == "ok", t.samples_per_second)
-        elif any(t.source == SOURCE for t in redo):
+        saved = self.note
+        self.note = lambda _text: None  # said when it happened
+        try:
+            for t in sorted(finished, key=lambda t: t.number):
+                if t.source not in ("baseline", SOURCE):
+                    continue
+                summary = TrialSummary.from_dict(t.summary) if t.summary else None
+                if t.source == SOURCE:
+                    self.pending = None
+                self.after(t.number, Proposal(config=t.config, source=t.source), t.status == "ok",
+                           t.samples_per_second, summary)
+        finally:
+            self.note = saved
+        if any(t.source == SOURCE for t in redo):
             self.pending = None

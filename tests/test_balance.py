@@ -56,7 +56,28 @@ def test_unbalanced_baseline_gets_one_partition_trial_kept_when_faster(tmp_path)
     assert runner.workload.partition_method == "parts:0,4,6" and not runner.workload.layer_costs
     decision = json.loads((tmp_path / "partition.json").read_text())
     assert decision["decision"] == "kept" and decision["parts"] == [0, 4, 6]
-    assert decision["measured_parts"] == [0, 3, 6] and "layer 3" in decision["moves"]
+    assert decision["measured_parts"] == [0, 3, 6] and "layer 3" in decision["rounds"][0]["moves"]
+    assert decision["rounds"][0]["kept"] is True and decision["kept_samples_per_second"] == 12.0
+
+
+def test_a_kept_partition_still_unbalanced_gets_one_more_round_from_its_own_costs(tmp_path):
+    _costs(tmp_path / "trial-000", [0, 3, 6], [1, 1, 1, 1, 1, 4])
+    _costs(tmp_path / "trial-001", [0, 4, 6], [2, 2, 2, 2, 1, 3])  # stage 0 dearer than predicted
+    runner = _runner()
+    b = StageBalancer(runner, tmp_path, note=lambda _: None)
+    base = Proposal(config=CFG, source="baseline")
+    b.after(0, base, True, 10.0, healthy_summary(stage_compute_imbalance=1.4, slowest_stage=1))
+    p1 = b.next_proposal()
+    b.after(1, p1, True, 12.0, healthy_summary(stage_compute_imbalance=1.3, slowest_stage=0))
+    p2 = b.next_proposal()
+    assert p2 is not None and p2.source == SOURCE and "trial 1" in p2.reason
+    b.before(2, p2)
+    second = runner.workload.partition_method
+    assert second.startswith("parts:") and second != "parts:0,4,6"
+    b.after(2, p2, True, 11.0, healthy_summary(stage_compute_imbalance=1.2, slowest_stage=0))
+    assert b.next_proposal() is None  # MAX_ROUNDS spent
+    b.before(3, Proposal(config=CFG, source="bayes"))
+    assert runner.workload.partition_method == "parts:0,4,6"  # the faster of the two stays
 
 
 def test_a_slower_partition_is_dropped_and_a_balanced_baseline_is_left_alone(tmp_path):
@@ -69,7 +90,8 @@ def test_a_slower_partition_is_dropped_and_a_balanced_baseline_is_left_alone(tmp
     b.after(1, p, True, 9.0, healthy_summary())
     b.before(2, Proposal(config=CFG, source="bayes"))
     assert runner.workload.partition_method == "uniform"
-    assert json.loads((tmp_path / "partition.json").read_text())["decision"] == "rejected"
+    decision = json.loads((tmp_path / "partition.json").read_text())
+    assert decision["decision"] == "rejected" and decision["parts"] is None
 
     other = StageBalancer(_runner(), tmp_path / "b", note=lambda _: None)
     (tmp_path / "b").mkdir()

@@ -93,9 +93,10 @@ def test_tuning_run_balances_an_unbalanced_baseline(tmp_path):
     assert sorted(p.name for p in (study / "trial-000").glob("layer-costs-rank*.csv")) == [
         "layer-costs-rank0.csv", "layer-costs-rank1.csv"]
     decision = json.loads((study / "partition.json").read_text())
-    assert decision["measured_parts"] == [0, 3, 6] and decision["parts"][1] < 3
+    first = decision["rounds"][0]
+    assert decision["measured_parts"] == [0, 3, 6] and first["parts"][1] < 3 and first["trial"] == 1
     spec = json.loads((study / "trial-001" / "trial.json").read_text())
-    assert spec["workload"]["partition_method"] == "parts:" + ",".join(map(str, decision["parts"]))
+    assert spec["workload"]["partition_method"] == "parts:" + ",".join(map(str, first["parts"]))
     assert decision["decision"] in ("kept", "rejected")
     assert "partition" in proc.stdout + proc.stderr
 
