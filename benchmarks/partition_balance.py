@@ -6,7 +6,8 @@ and the throughput at least that of the best of DeepSpeed's built-in methods
 
 Run (CPU, real DeepSpeed processes, one rank per stage):
     .venv/bin/python benchmarks/partition_balance.py --stages 2 4 --rounds 3
-(`--quick`: 2 stages, one round of few steps: a smoke run whose figures are noise.)
+(`--quick`: 2 stages, one round of few steps: a smoke run whose figures are noise;
+`--refine`: also the tuner's second round, parts re-solved from a balanced trial's costs.)
 
 Per stage count: a first `parameters` trial measures the layer costs (layer-costs-rank*.csv);
 autotune.partition computes the balanced parts from them; then rounds alternate
@@ -68,6 +69,8 @@ def main() -> int:
     ap.add_argument("--gas", type=int, default=8)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--refine", action="store_true",
+                    help="also a second round, as the tuner does: parts solved from a balanced trial's own costs")
     ap.add_argument("--quick", action="store_true", help="2 stages, 1 round, 2 steps: a smoke run")
     ap.add_argument("--out", default=None, help="folder for the trial folders (default: a temporary one)")
     args = ap.parse_args()
@@ -85,6 +88,14 @@ def main() -> int:
         print(f"{stages} stages: measured parts (parameters) {lc.parts}, balanced {parts} "
               f"(predicted imbalance {imbalance(predicted):.2f}); moves: {describe_moves(lc.parts, parts, lc.names)}")
         methods = {"parameters": "parameters", "uniform": "uniform", "balanced": method_for(parts)}
+        if args.refine:  # the tuner's second round (autotune/balance.py): re-solve from the balanced trial
+            first = root / f"s{stages}-balanced-measure"
+            run_trial(first, stages=stages, method=method_for(parts), layer_costs=True, **common)
+            lc2 = read_trial_layer_costs(first)
+            refined = balanced_parts(lc2.costs, stages, stage_fixed=lc2.stage_fixed_seconds)
+            print(f"{stages} stages: refined from the balanced trial's costs: {refined}")
+            if refined != parts:
+                methods["refined"] = method_for(refined)
         got: dict[str, list[dict]] = {name: [] for name in methods}
         for r in range(args.rounds):
             order = list(methods) if r % 2 == 0 else list(reversed(methods))
@@ -98,6 +109,9 @@ def main() -> int:
         best_builtin = max(med["parameters"]["samples_per_second"], med["uniform"]["samples_per_second"])
         ratio = med["balanced"]["samples_per_second"] / best_builtin
         goal = med["balanced"]["imbalance"] <= 1.10 and ratio >= 1.0
+        if "refined" in med:
+            print(f"{stages} stages: refined imbalance {med['refined']['imbalance']:.2f}; throughput vs best "
+                  f"built-in {med['refined']['samples_per_second'] / best_builtin:.2f}x")
         ok = ok and goal
         print(f"{stages} stages: balanced imbalance {med['balanced']['imbalance']:.2f} "
               f"(parameters {med['parameters']['imbalance']:.2f}, uniform {med['uniform']['imbalance']:.2f}); "
