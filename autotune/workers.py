@@ -45,6 +45,9 @@ POOLS_DIR = "workers"
 """The pools' folder inside a study (next to the trial folders)."""
 POLL_SECONDS = 0.02
 WORKER_MODES = ("warm", "fresh")
+MAX_JOBS_PER_POOL = 200
+"""Each trial's PipelineModule creates gloo groups DeepSpeed never destroys (about 26 file
+descriptors per rank per trial on the 4-rank demo): a pool is recycled before they add up."""
 
 TUNED_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 """Top-level ds_config keys a trial may change in a warm pool (plus the ZeRO bucket)."""
@@ -197,6 +200,9 @@ class WarmWorkers:
                       "between trials; this trial starts fresh workers")
             self.pool.stop()
             self.pool = None
+        if self.pool is not None and self.pool.alive and self.pool.jobs >= MAX_JOBS_PER_POOL:
+            self.note(f"      warm workers: {self.pool.jobs} trials in one pool; this trial starts fresh workers")
+            self.close()
         if self.pool is None or not self.pool.alive:
             pools = trial_dir.parent / POOLS_DIR
             if self.pools_started == 0:
