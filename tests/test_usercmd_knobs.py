@@ -156,19 +156,25 @@ def test_cli_refuses_a_knob_without_a_command(tmp_path):
 @pytest.mark.slow
 def test_a_mapped_knob_is_swept_in_a_real_study(tmp_path):
     r = _autotune(tmp_path, "--budget", "2", "--study", "st", "--steps", "2", "--warmup-steps", "1",
-                  "--trial-timeout", "600", "--knob", "partition_method=--partition {value}", "--",
+                  "--trial-timeout", "600", "--knob", "partition_method:uniform,type:Head=--partition {value}", "--",
                   "deepspeed", "--num_gpus", "2", str(EXAMPLE), "--deepspeed_config", str(CONFIG),
-                  "--partition", "parameters", "--steps", "100000", "--save-dir", "ckpt", timeout=1200)
+                  "--partition", "uniform", "--steps", "100000", "--save-dir", "ckpt", timeout=1200)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     db = sqlite3.connect(tmp_path / "st" / "study.db")
     trials = db.execute("SELECT number, status, source FROM trials ORDER BY number").fetchall()
     db.close()
-    assert trials == [(0, "ok", "baseline"), (1, "ok", "knob:partition_method=uniform")]
-    for number, method in ((0, "parameters"), (1, "uniform")):
+    assert trials == [(0, "ok", "baseline"), (1, "ok", "knob:partition_method=type:Head")]
+    from deepspeed.runtime.utils import partition_uniform
+
+    parts = {}
+    for number, method in ((0, "uniform"), (1, "type:Head")):
         trial = tmp_path / "st" / f"trial-{number:03d}"
         assert json.loads((trial / "knobs.json").read_text()) == {"partition_method": method}
-        # DeepSpeed's own log line says which partition the script's PipelineModule used
-        assert f"Partitioning pipeline stages with method {method}" in (trial / "launcher.log").read_text()
+        # the parts the script's own PipelineModule built, as the bootstrap read them from the engine
+        parts[method] = json.loads((trial / "engine-rank0.json").read_text())["parts"]
+    layers = parts["uniform"][-1]  # embedding, the blocks, the head
+    assert parts["uniform"] == partition_uniform(num_items=layers, num_parts=2)
+    assert parts["type:Head"] == [0, layers - 1, layers]  # the head alone on the last stage
     info = json.loads((tmp_path / "st" / "knobs.json").read_text())
-    assert set(info["measured"]["partition_method"]) == {"uniform"}
-    assert info["kept"]["partition_method"] in ("parameters", "uniform")
+    assert set(info["measured"]["partition_method"]) == {"type:Head"}
+    assert info["kept"]["partition_method"] in ("uniform", "type:Head")

@@ -173,6 +173,7 @@ class _RankState:
             "micro_batch_size": int(engine.train_micro_batch_size_per_gpu()),
             "gradient_accumulation_steps": int(engine.gradient_accumulation_steps()),
             "parameters": int(sum(p.numel() for p in engine.module.parameters())),
+            "parts": [int(x) for x in getattr(engine.module, "parts", [])],  # the layers each stage got
         })
         if self.settings.mode == MODE_PROBE:
             self.stop()
