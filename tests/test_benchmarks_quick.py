@@ -68,7 +68,7 @@ def test_trial_cost(tmp_path):
     figure(out, r"wall / step time: fresh ([\d.]+)x", 1, 10_000)
     figure(out, r"wall / step time: fresh [\d.]+x, warm ([\d.]+)x", 1, 10_000)
     figure(out, r"speed-up of the whole run \(fresh wall / warm wall\): ([\d.]+)x", 0.05, 100)
-    figure(out, r"warm pick / fresh pick: ([\d.]+)%", 1, 10_000)
+    assert re.search(r"warm pick / fresh pick: (the same configuration|[\d.]+%)", out), out[-2000:]
 
 
 def test_partition_balance(tmp_path):
