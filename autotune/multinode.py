@@ -254,21 +254,32 @@ def master_address(host: str, ssh_port: int | None) -> str:
     return words[0]
 
 
-def stop_on_nodes(cluster: Cluster, marker: str, *, master_port: int | None = None,
+def stop_on_nodes(cluster: Cluster, marker: str | None, *, master_port: int | None = None,
                   timeout: float = 30.0) -> list[str]:
-    """SIGKILL every process on the cluster's hosts whose command line names `marker` (the trial
-    folder), over ssh the way pdsh connects. Returns the hosts that could not be reached.
+    """Stop what a trial (or a watched job) left on every host of the cluster, over ssh the way
+    pdsh connects. Returns the hosts that could not be reached.
 
-    A multi-node trial's ranks are children of each node's sshd, not of the local launcher, so
+    A multi-node job's ranks are children of each node's sshd, not of the local launcher, so
     stopping the launcher's process group does not reach them; DeepSpeed's own pdsh kill
     command runs only when its runner gets SIGINT/SIGTERM and lives long enough to send it.
-    With `master_port`, the trial's /dev/shm buffers on each node go too (launcher.py says why).
+    Each node's `deepspeed.launcher.launch` carries the job's `--master_port`: it gets SIGTERM
+    first (it stops its ranks), then every process whose command line names `marker` (a trial
+    folder) or that launcher gets SIGKILL, and the job's /dev/shm buffers there go too.
     """
-    pattern = "[" + marker[0] + "]" + marker[1:]  # a regex that matches the marker but not itself
-    remote = f"pkill -9 -f {shlex.quote(pattern)}; rc=$?"
+    patterns = []
     if master_port is not None:
-        remote += f"; sleep 0.5; rm -f /dev/shm/deepspeed_allreduce_buffer_*_{int(master_port)}_*"
-    remote += "; exit $rc"
+        patterns.append(f"[d]eepspeed.launcher.launch.*--master_port={int(master_port)}")
+    if marker:
+        patterns.append("[" + marker[0] + "]" + marker[1:])  # matches the marker, not this command
+    if not patterns:
+        return []
+    steps = []
+    if master_port is not None:
+        steps.append(f"pkill -TERM -f {shlex.quote(patterns[0])}; sleep 2")
+    steps += [f"pkill -9 -f {shlex.quote(p)}" for p in patterns]
+    if master_port is not None:
+        steps.append(f"sleep 0.5; rm -f /dev/shm/deepspeed_allreduce_buffer_*_{int(master_port)}_*")
+    remote = "; ".join(steps) + "; true"
     missed = []
     for host in cluster.hosts:
         try:
@@ -277,6 +288,6 @@ def stop_on_nodes(cluster: Cluster, marker: str, *, master_port: int | None = No
         except (OSError, subprocess.TimeoutExpired):
             missed.append(host)
             continue
-        if r.returncode not in (0, 1):  # pkill: 1 = nothing matched
+        if r.returncode != 0:  # ssh's own 255: not reached
             missed.append(host)
     return missed

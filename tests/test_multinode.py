@@ -290,3 +290,26 @@ def test_users_script_on_two_nodes_through_autotunes_hostfile(tmp_path, two_node
         assert len((trial / f"metrics-rank{rank}.csv").read_text().splitlines()) == 1 + 3
     assert not (tmp_path / "ckpt").exists()  # the stop never reached the script's own saving
     assert alive_under(tmp_path / "st") == []
+
+
+@pytest.mark.slow
+def test_watch_a_job_on_two_nodes(tmp_path, two_nodes):
+    """`autotune watch` keeps the command's own launcher options: both nodes' ranks are
+    instrumented (their settings reach the other node by file) and nothing is left behind."""
+    hf = _hostfile(tmp_path, "localhost slots=1\n127.0.0.1 slots=1\n")
+    env = {**os.environ, **_env(two_nodes), "OMP_NUM_THREADS": "1",
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    r = subprocess.run([sys.executable, "-m", "autotune", "watch", "--out", "w", "--no-metrics", "--",
+                        "deepspeed", "--hostfile", hf, "--master_addr", "127.0.0.1",
+                        str(REPO / "examples" / "pipeline_train.py"), "--deepspeed_config",
+                        str(REPO / "examples" / "ds_config.json"), "--steps", "4", "--save-dir", "ckpt"],
+                       cwd=tmp_path, capture_output=True, text=True, env=env, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    run = tmp_path / "w" / "run-001"
+    log = (run / "launcher.log").read_text()
+    assert "localhost: " in log and "127.0.0.1: " in log
+    for rank in (0, 1):  # every step of the job, on both nodes
+        assert len((run / f"metrics-rank{rank}.csv").read_text().splitlines()) == 1 + 4
+    assert (tmp_path / "ckpt").exists()  # watched, the job runs to its own end (its checkpoint too)
+    assert alive_under(run) == [] and not [p for p in processes_with(str(REPO / "examples"))
+                                           if "pipeline_train.py" in _cmdline(p)]

@@ -27,7 +27,7 @@ from pathlib import Path
 from autotune.dsconfig import DEEPSPEED_DEFAULT_BUCKET, DsConfig
 from autotune.judge import TrialOutcome, failed, judge
 from autotune.launcher import LaunchOutcome, LaunchSpec, TrialProcess, accelerator_env, free_port
-from autotune.multinode import node_env, resolve_cluster, stop_on_nodes
+from autotune.multinode import Cluster, node_env, resolve_cluster, stop_on_nodes
 from autotune.space import TrialConfig
 from autotune.trial import prepare_trial_dir
 from autotune.usercmd.command import UserCommand
@@ -75,17 +75,25 @@ def rank_env(settings: BootstrapSettings) -> dict[str, str]:
             ENV: settings.to_env()}
 
 
+def multi_node_command(command: UserCommand, settings: BootstrapSettings, run_dir: Path, spec: LaunchSpec,
+                       *, cwd: Path) -> tuple[UserCommand, Cluster | None]:
+    """A command that names several nodes: the settings go to the nodes' ranks by file and their
+    environment by DeepSpeed's env file (`spec.env` points at it); the cluster, else None."""
+    cluster = resolve_cluster(command.cluster_options(), None, check_hosts=False)  # checked before
+    if cluster is None or not cluster.multi_node:
+        return command, None
+    settings_file = run_dir / "bootstrap-settings.json"
+    settings_file.write_text(settings.to_env(), encoding="utf-8")
+    spec.env.update(node_env(run_dir, {FILE_ENV: str(settings_file)}, cwd=cwd))
+    return command.for_cluster(cluster), cluster
+
+
 def launch(command: UserCommand, *, ds_config: Path, cwd: Path, run_dir: Path, settings: BootstrapSettings,
            timeout: float, on_start: Callable[[TrialProcess], None] | None = None) -> LaunchOutcome:
     spec = LaunchSpec(num_ranks=0, script_args=[], log_path=run_dir / "launcher.log", timeout=timeout,
                       env=rank_env(settings), launcher=list(command.prefix))
-    cluster = resolve_cluster(command.cluster_options(), None, check_hosts=False)  # checked before
-    multi_node = cluster is not None and cluster.multi_node
-    if multi_node:  # the other nodes' ranks: settings by file, environment by DeepSpeed's env file
-        settings_file = run_dir / "bootstrap-settings.json"
-        settings_file.write_text(settings.to_env(), encoding="utf-8")
-        spec.env.update(node_env(run_dir, {FILE_ENV: str(settings_file)}, cwd=cwd))
-        command = command.for_cluster(cluster)
+    command, cluster = multi_node_command(command, settings, run_dir, spec, cwd=cwd)
+    multi_node = cluster is not None
     proc = CommandProcess(spec, command, ds_config, cwd)
     try:
         error = proc.start()

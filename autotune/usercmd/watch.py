@@ -32,9 +32,10 @@ from typing import Any
 from autotune.errors import InputFileError, UserError
 from autotune.fileio import write_atomic
 from autotune.launcher import LaunchSpec, free_port
+from autotune.multinode import resolve_cluster, stop_on_nodes
 from autotune.usercmd.command import UserCommand, check_launcher_installed, parse_command
 from autotune.usercmd.hook import MODE_WATCH, BootstrapSettings
-from autotune.usercmd.runner import CommandProcess, rank_env, read_markers
+from autotune.usercmd.runner import CommandProcess, multi_node_command, rank_env, read_markers
 
 RUN_PREFIX = "run-"
 POLL_SECONDS = 0.5
@@ -97,6 +98,7 @@ def prepare(argv: list[str], opts: WatchOptions, *, cwd: Path) -> PreparedWatch:
     if not isinstance(raw, dict):
         raise UserError(f"DeepSpeed config {config}: not a JSON object")
     check_launcher_installed(cmd)
+    resolve_cluster(cmd.cluster_options(), None)  # the command's hostfile, launcher and hosts (pdsh/ssh)
     if opts.interval <= 0 or opts.window < 0 or opts.warmup_steps < 0:
         raise UserError("--interval must be > 0, --window and --warmup-steps >= 0")
     return PreparedWatch(command=cmd, config=config, cwd=cwd)
@@ -257,8 +259,11 @@ class Watch:
             self._start_endpoints(note)
         spec = LaunchSpec(num_ranks=0, script_args=[], log_path=self.run_dir / "launcher.log", timeout=0.0,
                           env=rank_env(settings), launcher=list(self.p.command.prefix))
-        proc = CommandProcess(spec, self.p.command, self.p.config, self.p.cwd,
+        command, cluster = multi_node_command(self.p.command, settings, self.run_dir, spec, cwd=self.p.cwd)
+        proc = CommandProcess(spec, command, self.p.config, self.p.cwd,
                               master_port=own_master_port(self.p.command) or free_port())
+        self.stop_nodes = (lambda: stop_on_nodes(cluster, None, master_port=proc.master_port)) if cluster \
+            else (lambda: None)
         echo = _LogEcho(spec.log_path, self.console.out if o.echo else (lambda text: None))
         try:
             with _signals_stop():
@@ -271,6 +276,7 @@ class Watch:
                 signal.signal(sig, signal.SIG_IGN)
             try:
                 proc.stop(grace=5.0)  # the whole group: launcher, ranks, their endpoint children
+                self.stop_nodes()  # and the other nodes' ranks (sshd's children there)
                 echo.pump(final=True)
             finally:
                 self._close()
@@ -281,9 +287,11 @@ class Watch:
             return 128 + stop.signum
         except BaseException:
             proc.stop(grace=2.0)
+            self.stop_nodes()
             self._close()
             raise
         proc.stop(grace=2.0)  # anything the launcher left behind; the /dev/shm buffers by its port
+        self.stop_nodes()
         echo.pump(final=True)
         self._evaluate_safely(final=True)
         self._close()
