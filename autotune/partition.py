@@ -80,9 +80,11 @@ def parse_parts(text: str) -> list[int]:
         raise UserError(f"partition {text!r}: expected comma-separated layer boundaries, e.g. 0,5,12") from None
 
 
-def stage_times(costs: Sequence[float], parts: Sequence[int]) -> list[float]:
-    """Predicted compute seconds of each stage: the sum of its layers' costs."""
-    return [float(sum(costs[parts[s]:parts[s + 1]])) for s in range(len(parts) - 1)]
+def stage_times(costs: Sequence[float], parts: Sequence[int],
+                stage_fixed: Sequence[float] | None = None) -> list[float]:
+    """Predicted compute seconds of each stage: the sum of its layers' costs (plus its fixed cost)."""
+    fixed = stage_fixed or [0.0] * (len(parts) - 1)
+    return [float(sum(costs[parts[s]:parts[s + 1]])) + float(fixed[s]) for s in range(len(parts) - 1)]
 
 
 def imbalance(times: Sequence[float]) -> float:
@@ -91,10 +93,12 @@ def imbalance(times: Sequence[float]) -> float:
     return max(times) / mean if mean > 0 else 1.0
 
 
-def balanced_parts(costs: Sequence[float], stages: int, *, memory: MemoryModel | None = None) -> list[int]:
+def balanced_parts(costs: Sequence[float], stages: int, *, memory: MemoryModel | None = None,
+                   stage_fixed: Sequence[float] | None = None) -> list[int]:
     """The contiguous partition of `costs` into `stages` non-empty stages with the least slowest stage.
 
-    Among partitions with the same slowest stage, the one with the least sum of squared
+    `stage_fixed`: seconds a stage costs whatever layers it holds (the loss on the last
+    stage). Among partitions with the same slowest stage, the one with the least sum of squared
     stage times is kept (the rest of the stages balanced too, not only the worst).
     Raises UserError when no partition fits (too few layers, or memory).
     """
@@ -108,6 +112,9 @@ def balanced_parts(costs: Sequence[float], stages: int, *, memory: MemoryModel |
     if memory is not None and (len(memory.parameter_bytes) != n or len(memory.activation_bytes) != n):
         raise UserError(f"memory model has {len(memory.parameter_bytes)}/{len(memory.activation_bytes)} "
                         f"layers, the costs {n}")
+    fixed = [float(f) for f in stage_fixed] if stage_fixed is not None else [0.0] * stages
+    if len(fixed) != stages:
+        raise UserError(f"{len(fixed)} fixed stage costs for {stages} stages")
     prefix = [0.0]
     for c in costs:
         prefix.append(prefix[-1] + float(c))
@@ -129,7 +136,7 @@ def balanced_parts(costs: Sequence[float], stages: int, *, memory: MemoryModel |
     back = [[-1] * (n + 1) for _ in range(stages)]
     for j in range(1, n - stages + 2):
         if fits(0, 0, j):
-            t = prefix[j]
+            t = prefix[j] + fixed[0]
             best[0][j] = (t, t * t)
     for s in range(1, stages):
         for j in range(s + 1, n - (stages - s - 1) + 1):
@@ -138,7 +145,7 @@ def balanced_parts(costs: Sequence[float], stages: int, *, memory: MemoryModel |
                 prev = best[s - 1][i]
                 if prev[0] == math.inf or not fits(s, i, j):
                     continue
-                t = prefix[j] - prefix[i]
+                t = prefix[j] - prefix[i] + fixed[s]
                 value = (max(prev[0], t), prev[1] + t * t)
                 if value < cand:
                     cand, arg = value, i
