@@ -231,12 +231,19 @@ def cluster_args(cluster: Cluster) -> list[str]:
     """The launcher options of every trial on `cluster`. A multi-node pdsh launch gets the master
     address resolved and `--no_ssh_check`: autotune checked each host itself, the way pdsh
     connects (DeepSpeed's own check and address lookup call plain `ssh HOST` and ignore
-    PDSH_SSH_ARGS_APPEND)."""
+    PDSH_SSH_ARGS_APPEND). A one-host launch runs locally, so it needs no ssh at all."""
     opts = cluster.options
     args = opts.argv()
     if cluster.multi_node and opts.launcher == "pdsh":
         if not opts.master_addr:
             args += ["--master_addr", master_address(next(iter(cluster.hosts)), opts.ssh_port)]
+        args.append("--no_ssh_check")
+    elif not cluster.multi_node:
+        # One host: DeepSpeed launches every rank on this machine (its local path), but with a
+        # hostfile it still runs `ssh HOST hostname` and `ssh HOST hostname -I` first, which
+        # fail on a machine that has no ssh server to itself.
+        if not opts.master_addr:
+            args += ["--master_addr", "127.0.0.1"]
         args.append("--no_ssh_check")
     return args
 

@@ -48,7 +48,8 @@ def test_no_launcher_options_is_a_plain_local_launch():
 def test_one_node_hostfile_gives_its_slots(tmp_path):
     cluster = resolve_cluster(LauncherOptions(hostfile=_hostfile(tmp_path, "localhost slots=4\n")), 4)
     assert cluster is not None and not cluster.multi_node
-    assert cluster_args(cluster) == ["--hostfile", str(tmp_path / "hostfile")]
+    assert cluster_args(cluster) == ["--hostfile", str(tmp_path / "hostfile"), "--master_addr", "127.0.0.1",
+                                     "--no_ssh_check"]
 
 
 def test_ranks_are_numbered_node_by_node(tmp_path):
@@ -313,3 +314,18 @@ def test_watch_a_job_on_two_nodes(tmp_path, two_nodes):
     assert (tmp_path / "ckpt").exists()  # watched, the job runs to its own end (its checkpoint too)
     assert alive_under(run) == [] and not [p for p in processes_with(str(REPO / "examples"))
                                            if "pipeline_train.py" in _cmdline(p)]
+
+
+@pytest.mark.slow
+def test_a_hostfile_naming_this_machine_goes_through_deepspeeds_hostfile_path(tmp_path):
+    hf = _hostfile(tmp_path, "localhost slots=4\n")
+    r = subprocess.run([sys.executable, "-m", "autotune", "run", "--study", "st", "--budget", "1", "--stages", "2",
+                        "--dp", "2", "--steps", "2", "--warmup-steps", "1", "--hostfile", hf],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "nodes: localhost:4 (one node)" in r.stdout + r.stderr
+    trial = tmp_path / "st" / "trial-000"
+    assert rows(tmp_path / "st")[0][1] == "ok"
+    log = (trial / "launcher.log").read_text()
+    assert "Unable to find hostfile" not in log  # DeepSpeed read it (it warns when it does not)
+    assert sorted(p.name for p in trial.glob("metrics-rank*.csv")) == [f"metrics-rank{r}.csv" for r in range(4)]
