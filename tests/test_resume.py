@@ -91,8 +91,10 @@ def test_controller_killed_at_several_points_resumes_to_the_budget(tmp_path):
     assert [(r[0], r[1]) for r in rs] == [(0, "ok"), (1, "interrupted"), (1, "ok")], rs
 
     # 3. resume (same --study, no --budget: the study keeps its own); die inside the atomic
-    #    write of summary.json after trial 2
-    proc = start_cli("run", "--study", "st", cwd=tmp_path, env={"AUTOTUNE_TEST_CRASH_AT": "write:1"})
+    #    write of summary.json after trial 2 (no live metrics: the targets file is written
+    #    atomically too, and would be the first write)
+    proc = start_cli("run", "--study", "st", "--no-metrics", cwd=tmp_path,
+                     env={"AUTOTUNE_TEST_CRASH_AT": "write:1"})
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 99, out[-3000:]
     stale = check_consistent(study, current=False)  # the old summary.json, whole
