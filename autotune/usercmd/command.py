@@ -109,7 +109,6 @@ class UserCommand:
         return [*self.prefix, *_without_master_port(self.launcher_args), "--master_port", str(master_port),
                 self.script, *script_args]
 
-
     def cluster_options(self):
         """The command's own DeepSpeed launcher options that place the ranks (autotune/multinode.py)."""
         from autotune.multinode import LauncherOptions
@@ -156,9 +155,8 @@ class UserCommand:
 
         extra = cluster_args(cluster)
         flags = tuple(a for a in ("--no_ssh_check",) if a in extra and a not in self.launcher_args)
-        valued = [a for a in extra if a != "--no_ssh_check"]
-        return dataclasses.replace(self.with_launcher_options(valued), launcher_args=(
-            *self.with_launcher_options(valued).launcher_args, *flags))
+        merged = self.with_launcher_options([a for a in extra if a != "--no_ssh_check"])
+        return dataclasses.replace(merged, launcher_args=(*merged.launcher_args, *flags))
 
 
 def _valued_options(args: tuple[str, ...]):
