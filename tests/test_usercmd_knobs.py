@@ -49,6 +49,17 @@ def test_bad_knobs_are_one_line(text, words):
         parse_knob(text)
 
 
+def test_the_config_flag_is_not_a_knob():
+    from autotune.usercmd.knobs import check_against_command
+
+    for args, at in ((("--cfg", "ds.json"), 1), (("--cfg=ds.json",), 0)):
+        with pytest.raises(UserError, match="where the command takes the DeepSpeed config"):
+            check_against_command(parse_knobs(["x:a,b=--cfg {value}"]), args, at)
+    with pytest.raises(UserError, match="where the command takes the DeepSpeed config"):
+        check_against_command(parse_knobs(["x:a,b=--deepspeed_config={value}"]), (), None)
+    check_against_command(parse_knobs(["x:a,b=--other {value}"]), ("--cfg", "ds.json"), 1)  # fine
+
+
 def test_a_flag_or_name_mapped_twice_is_refused():
     with pytest.raises(UserError, match="more than once"):
         parse_knobs(["partition_method=--p {value}", "partition_method=--q {value}"])

@@ -129,10 +129,14 @@ def with_value(script_args: tuple[str, ...], knob: Knob, value: str) -> tuple[st
 
 
 def check_against_command(knobs: list[Knob], script_args: tuple[str, ...], config_at: int | None) -> None:
+    """A knob may not take over the flag that carries the DeepSpeed config (autotune owns it)."""
+    from autotune.usercmd.command import CONFIG_FLAGS
+
     for k in knobs:
-        for i, a in enumerate(script_args):
-            if a.partition("=")[0] == k.flag and config_at is not None and i + 1 == config_at:
-                raise UserError(f"--knob {k.name}: {k.flag} is where the command takes the DeepSpeed config")
+        at_config = any(a.partition("=")[0] == k.flag and config_at in (i, i + 1)
+                        for i, a in enumerate(script_args))
+        if k.flag in CONFIG_FLAGS or at_config:
+            raise UserError(f"--knob {k.name}: {k.flag} is where the command takes the DeepSpeed config")
 
 
 class KnobSweep:
