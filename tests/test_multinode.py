@@ -215,7 +215,7 @@ def _cmdline(pid: int) -> str:
 
 
 @pytest.mark.skipif(ssh_cluster.available() is not None, reason=str(ssh_cluster.available()))
-def test_stop_on_nodes_reaches_processes_started_over_ssh(tmp_path, two_nodes):
+def test_stop_on_nodes_reaches_processes_started_over_ssh(tmp_path, two_nodes, monkeypatch):
     marker = tmp_path / "trial-007"
     marker.mkdir()
     cluster = resolve_cluster(LauncherOptions(hostfile=_hostfile(tmp_path, TWO_NODES)), 4, check_hosts=False)
@@ -227,11 +227,8 @@ def test_stop_on_nodes_reaches_processes_started_over_ssh(tmp_path, two_nodes):
     while not processes_with(str(marker)) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert processes_with(str(marker)), "the ssh-started process did not start"
-    os.environ["PDSH_SSH_ARGS_APPEND"] = two_nodes.env["PDSH_SSH_ARGS_APPEND"]
-    try:
-        assert stop_on_nodes(cluster, str(marker)) == []
-    finally:
-        del os.environ["PDSH_SSH_ARGS_APPEND"]
+    monkeypatch.setenv("PDSH_SSH_ARGS_APPEND", two_nodes.env["PDSH_SSH_ARGS_APPEND"])
+    assert stop_on_nodes(cluster, str(marker)) == []
     deadline = time.monotonic() + 10
     while processes_with(str(marker)) and time.monotonic() < deadline:
         time.sleep(0.1)
