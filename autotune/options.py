@@ -27,11 +27,15 @@ from autotune.errors import UserError
 def option(default: Any, help: str, *, flag: str | None = None, lo: float | None = None,
            hi: float | None = None, unit: str = "", group: str = "", hidden: bool = False,
            cli: bool = True, cli_type: type | None = None, show_default: bool = True,
-           factory: Callable[[], Any] | None = None, multiple: bool = False) -> Any:
-    """A dataclass field carrying its command-line flag, help, unit and valid range."""
+           factory: Callable[[], Any] | None = None, multiple: bool = False,
+           cli_default: Any = None) -> Any:
+    """A dataclass field carrying its command-line flag, help, unit and valid range.
+
+    `cli_default`: the command line's default where it differs from the field's (the field's
+    is what a study stored before the field existed reads back)."""
     meta = {"help": help, "flag": flag, "lo": lo, "hi": hi, "unit": unit, "group": group,
             "hidden": hidden, "cli": cli, "cli_type": cli_type, "show_default": show_default,
-            "multiple": multiple}
+            "multiple": multiple, "cli_default": cli_default}
     if factory is not None:
         return field(default_factory=factory, metadata=meta)
     return field(default=default, metadata=meta)
@@ -46,9 +50,21 @@ class WorkloadOptions:
     pipeline_stages: int = option(2, "Pipeline stages.", flag="--stages", lo=2, hi=1024, group="workload")
     data_parallel_size: int = option(2, "Data-parallel degree (ranks = stages x dp).", flag="--dp",
                                      lo=1, hi=1024, group="workload")
-    steps: int = option(6, "Measured steps per trial.", lo=1, hi=100_000, unit="steps", group="workload")
+    steps: int = option(6, "Measured steps per trial: the minimum with --adaptive-steps, the exact count "
+                        "with --fixed-steps.", lo=1, hi=100_000, unit="steps", group="workload")
     warmup_steps: int = option(2, "Warm-up steps per trial, excluded from every summary.", lo=0,
                                hi=100_000, unit="steps", group="workload")
+    # Trial length (autotune/step_budget.py, docs/trial-length.md). Off for a study stored
+    # before these fields existed (it resumes as it was measured); on for a new `autotune run`.
+    adaptive_steps: bool = option(False, "Measure until the median step time's 95 % interval is within "
+                                  "--step-precision, between --steps and --max-steps; stop a trial that "
+                                  "cannot beat the best so far (--fixed-steps: exactly --steps).",
+                                  flag="--adaptive-steps/--fixed-steps", group="workload", cli_default=True)
+    step_precision: float = option(0.03, "With --adaptive-steps: the relative half-width of the median "
+                                   "step time's 95 % interval at which a trial stops (0.03 = +-3 %).",
+                                   lo=0, hi=0.5, group="workload", cli_type=float)
+    max_steps: int | None = option(None, "With --adaptive-steps: the most measured steps per trial "
+                                   "(default: 3 x --steps).", lo=1, hi=300_000, unit="steps", group="workload")
     partition_method: str = option("parameters", "PipelineModule partition: parameters, uniform, type:REGEX "
                                    "or explicit boundaries parts:0,5,12 (docs/partition.md).", group="workload")
     layer_costs: bool = option(False, "Time every layer's forward and backward in every trial "
@@ -110,6 +126,15 @@ class WorkloadOptions:
         return LauncherOptions(hostfile=self.hostfile, include=self.include, exclude=self.exclude,
                                num_nodes=self.num_nodes, num_gpus=self.num_gpus, master_addr=self.master_addr,
                                launcher=self.launcher, launcher_args=self.launcher_args, ssh_port=self.ssh_port)
+
+    @property
+    def step_cap(self) -> int:
+        """The most measured steps a trial runs (--steps itself with --fixed-steps)."""
+        if not self.adaptive_steps:
+            return self.steps
+        from autotune.step_budget import CAP_FACTOR
+
+        return self.max_steps if self.max_steps is not None else CAP_FACTOR * self.steps
 
     def fault_for(self, trial: int) -> str | None:
         from autotune.faults import fault_for
@@ -215,7 +240,9 @@ def click_options(fn: Callable) -> Callable:
     for f in reversed(fields):
         m = f.metadata
         if f.type == "bool":
-            deco = click.option(_flag(f), f.name, is_flag=True, help=_help(f), hidden=m["hidden"])
+            on = m["cli_default"] if m["cli_default"] is not None else f.default
+            deco = click.option(_flag(f), f.name, is_flag=True, default=on, help=_help(f), hidden=m["hidden"],
+                                show_default="/" in _flag(f))
         elif m.get("multiple"):
             deco = click.option(_flag(f), f.name, multiple=True, help=_help(f), hidden=m["hidden"])
         else:

@@ -47,6 +47,9 @@ def validate(opts: RunOptions, *, built_in: bool = True) -> None:
             raise UserError(f"--partition-method {pm!r}: bad regular expression ({exc})") from None
         if not pm[5:] or not pm.isprintable():
             raise UserError(f"--partition-method {pm!r}: type: needs a printable layer-name pattern")
+    if wl.adaptive_steps and wl.max_steps is not None and wl.max_steps < wl.steps:
+        raise UserError(f"--max-steps {wl.max_steps} is below --steps {wl.steps} (the minimum with "
+                        f"--adaptive-steps): give --max-steps >= {wl.steps}, or --fixed-steps")
     if wl.workers not in ("warm", "fresh"):
         raise UserError(f"--workers {wl.workers!r}: use warm or fresh")
     if not _JOB.match(wl.job):
