@@ -14,6 +14,12 @@ def _pct(v: float | None) -> str:
     return "n/a" if v is None else f"{100 * v:.0f}%"
 
 
+def _interval(s: TrialSummary) -> str:
+    """The median step time's 95 % interval as +-%: within this trial, not between launches."""
+    hw = s.step_seconds_rel_half_width
+    return "n/a" if hw is None else f"±{100 * hw:.1f}%"
+
+
 class ProgressDisplay:
     def __init__(self, console: Console | None = None, budget: int = 0) -> None:
         self.console = console or Console(highlight=False, soft_wrap=True)
@@ -31,7 +37,7 @@ class ProgressDisplay:
     def header(self) -> None:
         if not self._header_done:
             self.console.print(
-                f"{'trial':>5} {'micro':>5} {'gas':>4} {'bucket':>8} {'samples/s':>10} {'util':>5} "
+                f"{'trial':>5} {'micro':>5} {'gas':>4} {'bucket':>8} {'samples/s':>10} {'±95%':>6} {'util':>5} "
                 f"{'fluct':>5} {'comm/comp':>9} {'bubble':>11} {'imbal':>5}  {'status':<8} proposed by"
             )
             self._header_done = True
@@ -41,15 +47,17 @@ class ProgressDisplay:
         self.header()
         bucket = "-" if config.reduce_bucket_size is None else fmt_bucket(config.reduce_bucket_size)
         if summary is not None:
-            sps = f"{summary.samples_per_second:10.1f}"
+            sps = f"{summary.samples_per_second:10.1f} {_interval(summary):>6}"
             util = _pct(summary.device_utilization_mean)
             fl = _pct(summary.device_utilization_fluctuation)
             ccr = "n/a" if summary.comm_compute_ratio is None else f"{summary.comm_compute_ratio:.2f}"
             bub = f"{summary.bubble_fraction_measured:.2f}/{summary.bubble_fraction_ideal:.2f}"
             imb = f"{summary.stage_compute_imbalance:.2f}"
         else:
-            sps, util, fl, ccr, bub, imb = f"{'-':>10}", "-", "-", "-", "-", "-"
+            sps, util, fl, ccr, bub, imb = f"{'-':>10} {'-':>6}", "-", "-", "-", "-", "-"
         status_text = status if failure is None else f"{status}: {failure}"
+        if summary is not None and summary.stopped_early:
+            status_text = f"{status} (stopped early)"
         mark = " *best*" if best else ""
         self.console.print(
             f"{number:>5} {config.micro_batch_size:>5} {config.gradient_accumulation_steps:>4} "

@@ -15,6 +15,7 @@ from autotune.errors import InputFileError
 from autotune.launcher import LaunchOutcome
 from autotune.loaders.metrics import read_trial_columns
 from autotune.proposers.base import STATUS_FAILED, STATUS_OK, TrialResult
+from autotune.step_budget import read_record
 from autotune.summary import TrialSummary, summarize_columns
 from autotune.workload.train import EXIT_LOSS_SCALE, EXIT_NONFINITE_LOSS, EXIT_OOM
 
@@ -64,6 +65,10 @@ def judge(outcome: LaunchOutcome, trial_dir: Path, timeout: float) -> TrialOutco
     summary = summaries[0] if summaries else None
     if summary is None:
         return failed("no_metrics", "the trial exited 0 but wrote no measured step", wall)
+    record = read_record(trial_dir)  # how the ranks ended the steps (autotune/step_budget.py)
+    if record is not None:
+        summary.stopped_early = bool(record.get("stopped_early"))
+        summary.steps_ended_by = record.get("reason")
     return TrialOutcome(
         result=TrialResult(status=STATUS_OK, samples_per_second=summary.samples_per_second, summary=summary),
         summary=summary, failure_detail=None, wall_seconds=wall,

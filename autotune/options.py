@@ -59,7 +59,7 @@ class WorkloadOptions:
     adaptive_steps: bool = option(False, "Measure until the median step time's 95 % interval is within "
                                   "--step-precision, between --steps and --max-steps; stop a trial that "
                                   "cannot beat the best so far (--fixed-steps: exactly --steps).",
-                                  flag="--adaptive-steps/--fixed-steps", group="workload", cli_default=True)
+                                  flag="--adaptive-steps / --fixed-steps", group="workload", cli_default=True)
     step_precision: float = option(0.03, "With --adaptive-steps: the relative half-width of the median "
                                    "step time's 95 % interval at which a trial stops (0.03 = +-3 %).",
                                    lo=0, hi=0.5, group="workload", cli_type=float)

@@ -232,6 +232,18 @@ class StepBudget:
                 "relative_half_width": iv.relative_half_width if iv else None}
 
 
+def rank_budget(*, steps: int, warmup_steps: int, adaptive: bool, precision: float, cap: int,
+                global_batch: int, incumbent_samples_per_second: float | None = None, noise: float = 0.10,
+                reduce_max: ReduceMax | None = None) -> StepBudget:
+    """A rank's budget from its trial's settings (autotune/workload/trial_spec.py, or the user
+    job's bootstrap settings); the reduce is the default process group's unless given."""
+    hopeless = (hopeless_step_seconds(incumbent_samples_per_second, noise, global_batch)
+                if adaptive and incumbent_samples_per_second else None)
+    rule = StepRule(min_steps=steps, max_steps=max(cap, steps), adaptive=adaptive, precision=precision,
+                    hopeless_above=hopeless)
+    return StepBudget(rule=rule, warmup_steps=warmup_steps, reduce_max=reduce_max or torch_reduce_max)
+
+
 def torch_reduce_max(values: list[float]) -> list[float]:
     """The element-wise max of `values` over the default process group (gloo or NCCL)."""
     import torch

@@ -21,6 +21,7 @@ import numpy as np
 
 from autotune.errors import InputFileError
 from autotune.schema import StepRecord
+from autotune.step_budget import median_interval
 
 
 def ideal_bubble_fraction(stages: int, micro_batches: int) -> float:
@@ -151,6 +152,20 @@ class TrialSummary:
     ranks: list[RankSummary] = field(default_factory=list)
     host_bound_fraction: float | None = None
     """Worst rank's share of instruction time with no kernel running; None on CPU."""
+    step_seconds_low: float | None = None
+    """Low end of the 95 % distribution-free interval of the median step time (order statistics,
+    autotune/step_budget.py); None below 6 measured steps. It says how well THIS trial measured its
+    median: the spread between launches of one configuration is larger on the CPU demo
+    (docs/trial-length.md), so the tuner's comparisons keep their own between-launch noise margin."""
+    step_seconds_high: float | None = None
+    """High end of that interval."""
+    step_seconds_rel_half_width: float | None = None
+    """(high - low) / 2 / median step time: 0.021 reads "+-2.1 %"."""
+    stopped_early: bool = False
+    """The ranks ended the trial early: its interval lay below the best trial so far by more than
+    the noise margin (the value is still the trial's measured median)."""
+    steps_ended_by: str | None = None
+    """Why the measured steps ended: fixed, precision, cap or hopeless (None: not recorded)."""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -305,6 +320,7 @@ def _summarize_trial(c: Columns, source: str) -> TrialSummary | None:
         raise InputFileError(f"{source}: trial {int(first['trial'])}: {exc}") from None
     median_sps = float(np.median(sps))
     bucket = first.get("reduce_bucket_size", math.nan)
+    iv = median_interval(step_secs.tolist())  # the ranks' rule, on the same slowest-rank step times
     return TrialSummary(
         trial=int(first["trial"]), steps=int(step_secs.size), warmup_steps=warm_steps,
         micro_batch_size=micro, gradient_accumulation_steps=gas,
@@ -333,6 +349,8 @@ def _summarize_trial(c: Columns, source: str) -> TrialSummary | None:
         ranks=rank_rows,
         host_bound_fraction=max(hb) if (hb := [r.host_bound_fraction for r in rank_rows
                                                 if r.host_bound_fraction is not None]) else None,
+        step_seconds_low=iv.low if iv else None, step_seconds_high=iv.high if iv else None,
+        step_seconds_rel_half_width=iv.relative_half_width if iv else None,
     )
 
 

@@ -37,6 +37,10 @@ from autotune.trial import TrialRunner
 DEFAULT_FIRST_TIMEOUT = 900.0
 """Seconds for trials before one has finished (first runs may compile DeepSpeed ops)."""
 MIN_TIMEOUT = 120.0
+MEASURED_IN_FULL = frozenset({"baseline", "remeasure", "confirm", "recheck"})
+"""Proposal sources never stopped early: the reference and the re-measurements."""
+DEFAULT_NOISE = 0.10
+"""The early-stop margin where the proposer states none (HybridProposer.noise's default)."""
 TIMEOUT_FACTOR = 4.0
 
 
@@ -202,9 +206,10 @@ class Tuner:
 
         if self.balancer is not None:
             self.balancer.before(number, proposal)
+        incumbent = self._incumbent(proposal)
         with self.display.running(number, cfg, proposal.source):
             outcome = self.runner.run(number, cfg, self.study.trial_dir(number),
-                                      timeout=self._timeout(), on_start=record_group)
+                                      timeout=self._timeout(), on_start=record_group, incumbent=incumbent)
         fired = self.rules_fired(outcome.summary) if (self.rules_fired and outcome.summary) else []
         crash_point("before-finish", number)
         self.study.finish_trial(
@@ -223,6 +228,10 @@ class Tuner:
         is_best = best is not None and best.number == number and outcome.result.ok
         self.display.trial_row(number, cfg, proposal.source, outcome.result.status, outcome.summary,
                                _failure_text(outcome), is_best)
+        if outcome.summary is not None and outcome.summary.stopped_early and incumbent is not None:
+            self.display.note(f"      stopped early: after {outcome.summary.steps} measured steps its median "
+                              f"step's interval lies below the best trial's {incumbent[0]:.1f} samples/s by "
+                              f"more than the {incumbent[1]:.0%} noise margin")
         if not outcome.result.ok:
             log = self.study.trial_dir(number) / "launcher.log"
             self.display.note(f"      failed ({outcome.result.failure_reason}): "
@@ -233,6 +242,20 @@ class Tuner:
             self.exporter.trial_finished(number, cfg, outcome.result.status,
                                          outcome.result.samples_per_second, outcome.summary, fired)
         self._write()
+
+    def _incumbent(self, proposal: Proposal) -> tuple[float, float] | None:
+        """(samples/s, noise margin) of the best trial so far: with adaptive steps a trial that
+        cannot plausibly beat it stops early (autotune/step_budget.py). None for the baseline and
+        for any re-measurement (remeasure, confirm, recheck, a configuration measured before):
+        those runs exist to measure in full."""
+        if proposal.source in MEASURED_IN_FULL:
+            return None
+        best = self.study.best()
+        if best is None or not best.samples_per_second:
+            return None
+        if any(t.config.key() == proposal.config.key() for t in self.study.counted()):
+            return None
+        return float(best.samples_per_second), float(getattr(self.proposer, "noise", DEFAULT_NOISE))
 
     def _timeout(self) -> float:
         if self.trial_timeout is not None:

@@ -224,7 +224,8 @@ class UserCommandRunner:
         ).to_dict()
 
     def run(self, number: int, config: TrialConfig, trial_dir: Path, *, timeout: float,
-            on_start: Callable[[TrialProcess], None] | None = None) -> TrialOutcome:
+            on_start: Callable[[TrialProcess], None] | None = None,
+            incumbent: tuple[float, float] | None = None) -> TrialOutcome:
         trial_dir, ds_path = prepare_trial_dir(
             trial_dir, self.ds_config_for(config), stale=("engine-rank*.json", "done-rank*.json", "exit-rank*.json"))
         settings = BootstrapSettings(mode=MODE_TRIAL, trial_dir=str(trial_dir), trial=number,

@@ -126,7 +126,9 @@ def run_trial(spec: TrialSpec, *, release: bool = False) -> TrialRun:
         micro = engine.train_micro_batch_size_per_gpu()
         data = (iter(user_batches(micro, wl.seed + dp_rank)) if user_batches is not None
                 else batches(tokens, micro_batch=micro, seq=preset.seq_length, seed=wl.seed + dp_rank))
-        code = _train(spec, engine, data, rank, losses, inject_rank_fault)
+        budget = _step_budget(spec, engine)
+        probe.on_step = lambda r: budget.observe(r.step_seconds, bool(r.warmup))  # the CSV's step times
+        code = _train(spec, engine, data, rank, losses, inject_rank_fault, budget)
         if code == 0:
             probe.close_sinks()
             closed = True
@@ -142,12 +144,29 @@ def run_trial(spec: TrialSpec, *, release: bool = False) -> TrialRun:
             release_memory()
 
 
-def _train(spec: TrialSpec, engine, data, rank: int, losses: list[float], inject_rank_fault) -> int:
-    """The trial's steps; 0, or the exit code of the way it failed."""
-    import torch
+def _step_budget(spec: TrialSpec, engine):
+    """When this trial's steps end (autotune/step_budget.py): the same decision on every rank."""
+    from autotune.step_budget import rank_budget
 
     wl = spec.workload
-    total = wl.warmup_steps + wl.steps
+    batch = (int(engine.train_micro_batch_size_per_gpu()) * int(engine.gradient_accumulation_steps())
+             * int(engine.grid.data_parallel_size))
+    return rank_budget(steps=wl.steps, warmup_steps=wl.warmup_steps, adaptive=wl.adaptive_steps,
+                       precision=wl.step_precision, cap=wl.step_cap, global_batch=batch,
+                       incumbent_samples_per_second=spec.incumbent_samples_per_second, noise=spec.noise)
+
+
+def _train(spec: TrialSpec, engine, data, rank: int, losses: list[float], inject_rank_fault, budget) -> int:
+    """The trial's steps, as many as `budget` decides (collectively); 0, or the exit code of the
+    way it failed."""
+    import os
+
+    import torch
+
+    from autotune.step_budget import write_record
+
+    wl = spec.workload
+    total = wl.warmup_steps + wl.step_cap
     collapsed_steps, skipped = 0, getattr(engine, "skipped_steps", 0)
     for step in range(total):
         inject_rank_fault(spec.fault, fault_rank=spec.fault_rank, engine=engine, rank=rank, step=step,
@@ -180,6 +199,10 @@ def _train(spec: TrialSpec, engine, data, rank: int, losses: list[float], inject
             print(f"autotune: non-finite loss {value} at step {step} on rank {rank}",
                   file=sys.stderr, flush=True)
             return EXIT_NONFINITE_LOSS
+        if not budget.go_on():
+            break
+    if rank == 0:
+        write_record(budget, os.path.dirname(spec.metrics_csv))
     return 0
 
 

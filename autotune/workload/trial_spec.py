@@ -35,6 +35,11 @@ class TrialSpec:
     """Testing seam: the rank that injects `fault`."""
     step_sleep: float = 0.0
     """Testing seam: seconds every rank sleeps after each step (keeps a trial running)."""
+    incumbent_samples_per_second: float | None = None
+    """The best trial's samples/s so far: with adaptive steps, a trial that cannot plausibly beat it
+    (by more than `noise`) stops early (autotune/step_budget.py). None: never stopped early."""
+    noise: float = 0.10
+    """The between-launch noise margin of that comparison (the tuner's, HybridProposer.noise)."""
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
