@@ -1,0 +1,79 @@
+"""Adaptive trial length with real ranks (autotune/step_budget.py in autotune/workload/train.py):
+every rank runs the same number of steps, the interval is stored, a hopeless trial stops early."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from robust_helpers import FAST_CONFIG
+
+from autotune.dsconfig import DsConfig
+from autotune.options import WorkloadOptions
+from autotune.space import TrialConfig
+from autotune.step_budget import HOPELESS, RECORD_NAME
+from autotune.trial import TrialRunner
+
+pytestmark = pytest.mark.slow
+
+CFG = TrialConfig(micro_batch_size=2, gradient_accumulation_steps=4)
+MIN, CAP = 6, 12
+
+
+def csv_rows(trial_dir: Path) -> dict[str, int]:
+    return {p.name: len(p.read_text().splitlines()) - 1 for p in sorted(trial_dir.glob("metrics-rank*.csv"))}
+
+
+@pytest.fixture(scope="module")
+def two_trials(tmp_path_factory):
+    """One warm pool, 2 stages x 1 dp: an adaptive trial, then one told of an unbeatable incumbent."""
+    root = tmp_path_factory.mktemp("length")
+    wl = WorkloadOptions(data_parallel_size=1, steps=MIN, warmup_steps=1, adaptive_steps=True, max_steps=CAP,
+                         step_precision=0.03)
+    runner = TrialRunner(wl, DsConfig.from_dict(FAST_CONFIG))
+    try:
+        plain = runner.run(0, CFG, root / "t0", timeout=600)
+        hopeless = runner.run(1, CFG, root / "t1", timeout=600, incumbent=(1e6, 0.10))
+    finally:
+        runner.close()
+    return root, plain, hopeless
+
+
+def test_an_adaptive_trial_stores_its_interval_and_every_rank_ran_the_same_steps(two_trials):
+    root, plain, _ = two_trials
+    assert plain.result.ok, plain.failure_detail
+    s = plain.summary
+    assert MIN <= s.steps <= CAP
+    assert s.step_seconds_low <= s.step_seconds <= s.step_seconds_high
+    assert s.step_seconds_rel_half_width == pytest.approx(
+        (s.step_seconds_high - s.step_seconds_low) / 2 / s.step_seconds)
+    assert not s.stopped_early and s.steps_ended_by in ("precision", "cap")
+    if s.steps_ended_by == "precision":
+        assert s.step_seconds_rel_half_width <= 0.03
+    else:
+        assert s.steps == CAP
+    rows = csv_rows(root / "t0")
+    assert len(rows) == 2 and set(rows.values()) == {1 + s.steps}, rows  # warm-up + measured, on both ranks
+    record = json.loads((root / "t0" / RECORD_NAME).read_text())
+    assert record["measured_steps"] == s.steps and record["max_steps"] == CAP
+
+
+def test_a_trial_that_cannot_beat_the_incumbent_stops_early_and_is_kept(two_trials):
+    root, _, hopeless = two_trials
+    assert hopeless.result.ok, hopeless.failure_detail
+    s = hopeless.summary
+    assert s.stopped_early and s.steps_ended_by == HOPELESS
+    assert s.steps == MIN < CAP  # at the first step the interval exists
+    assert hopeless.result.samples_per_second == s.samples_per_second > 0  # the optimizer is told this
+    assert set(csv_rows(root / "t1").values()) == {1 + MIN}
+
+
+def test_fixed_steps_run_exactly_the_count_with_an_incumbent(tmp_path):
+    """--fixed-steps: no collective decision, no early stop, exactly --steps."""
+    wl = WorkloadOptions(data_parallel_size=1, steps=3, warmup_steps=1, workers="fresh")
+    out = TrialRunner(wl, DsConfig.from_dict(FAST_CONFIG)).run(0, CFG, tmp_path / "t", timeout=600,
+                                                                 incumbent=(1e6, 0.10))
+    assert out.result.ok and out.summary.steps == 3 and not out.summary.stopped_early
+    assert out.summary.steps_ended_by == "fixed" and out.summary.step_seconds_low is None  # < 6 steps
+    assert set(csv_rows(tmp_path / "t").values()) == {4}
