@@ -11,7 +11,7 @@ from pathlib import Path
 
 from autotune.launcher import processes_with
 
-FAST = ["--dp", "1", "--steps", "2", "--warmup-steps", "1"]
+FAST = ["--dp", "1", "--steps", "2", "--warmup-steps", "1", "--fixed-steps"]  # exactly 2: fast, countable
 FAST_CONFIG = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4,
                "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}, "steps_per_print": 10**9}
 

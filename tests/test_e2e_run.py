@@ -23,7 +23,7 @@ def study(tmp_path_factory):
     root = tmp_path_factory.mktemp("e2e")
     shm_before = set(SHM.glob("deepspeed_allreduce_buffer_*"))
     proc = autotune_cli("run", "--budget", "3", "--study", "st", "--steps", "2", "--warmup-steps", "1",
-                        cwd=root)
+                        "--fixed-steps", cwd=root)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     leaked = set(SHM.glob("deepspeed_allreduce_buffer_*")) - shm_before
     return root / "st", proc, leaked

@@ -37,7 +37,7 @@ def live_job(tmp_path_factory):
     targets = [f"127.0.0.1:{ctl}"] + [f"127.0.0.1:{base + i}" for i in range(4)]
     proc = subprocess.Popen(
         [sys.executable, "-m", "autotune", "run", "--budget", "2", "--steps", "60", "--warmup-steps", "1",
-         "--study", str(work / "st"), "--metrics-port", str(ctl), "--rank-metrics-port", str(base)],
+         "--fixed-steps", "--study", str(work / "st"), "--metrics-port", str(ctl), "--rank-metrics-port", str(base)],
         stdout=open(work / "run.log", "w"), stderr=subprocess.STDOUT)
     try:
         with prometheus_server(targets, rule_files=[ALERTS]) as prom:

@@ -168,7 +168,7 @@ def test_two_nodes_through_pdsh_tune_and_clean_up(tmp_path, two_nodes):
     hf = _hostfile(tmp_path, TWO_NODES)
     cfg = write_config(tmp_path, train_batch_size=16)  # micro 2 x GAS 4 x dp 2
     common = ["--budget", "1", "--stages", "2", "--dp", "2", "--steps", "2", "--warmup-steps", "1",
-              "--config", str(cfg), "--hostfile", hf, "--trial-timeout", "400"]
+              "--fixed-steps", "--config", str(cfg), "--hostfile", hf, "--trial-timeout", "400"]
     r = subprocess.run([sys.executable, "-m", "autotune", "run", "--study", "st", *common], cwd=tmp_path,
                        capture_output=True, text=True, env={**os.environ, **_env(two_nodes)}, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

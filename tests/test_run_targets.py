@@ -23,7 +23,7 @@ def test_the_targets_file_lists_the_ports_the_ranks_bound_and_they_answer(tmp_pa
     with taken_port() as taken:  # rank 0's port is taken: it falls back, and the file must say where
         proc = subprocess.Popen(
             [sys.executable, "-m", "autotune", "run", "--budget", "1", "--dp", "1", "--steps", "60",
-             "--warmup-steps", "1", "--study", str(study), "--metrics-port", str(free_port()),
+             "--warmup-steps", "1", "--fixed-steps", "--study", str(study), "--metrics-port", str(free_port()),
              "--rank-metrics-port", str(taken)],
             stdout=open(tmp_path / "run.log", "w"), stderr=subprocess.STDOUT)
         rank_targets = {}
