@@ -77,3 +77,30 @@ def test_fixed_steps_run_exactly_the_count_with_an_incumbent(tmp_path):
     assert out.result.ok and out.summary.steps == 3 and not out.summary.stopped_early
     assert out.summary.steps_ended_by == "fixed" and out.summary.step_seconds_low is None  # < 6 steps
     assert set(csv_rows(tmp_path / "t").values()) == {4}
+
+
+def test_a_users_script_stops_at_the_same_step_on_every_rank_when_hopeless(tmp_path, monkeypatch):
+    """The bootstrap hook (autotune/usercmd/hook.py) applies the same rule to the user's own loop."""
+    import os
+    import sys
+
+    from autotune.usercmd.command import parse_command
+    from autotune.usercmd.runner import UserCommandRunner
+
+    repo = Path(__file__).resolve().parent.parent
+    monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    config = repo / "examples" / "ds_config.json"
+    command = parse_command(["deepspeed", "--num_gpus", "2", str(repo / "examples" / "pipeline_train.py"),
+                             "--deepspeed_config", str(config), "--steps", "100000", "--save-dir", "ckpt"],
+                            cwd=tmp_path)
+    runner = UserCommandRunner(command, DsConfig.from_dict(json.loads(config.read_text())), cwd=tmp_path,
+                               data_parallel_size=1, steps=MIN, warmup_steps=1)
+    runner.step_length = (True, 0.03, CAP)
+    out = runner.run(0, TrialConfig(micro_batch_size=2, gradient_accumulation_steps=8), tmp_path / "t",
+                     timeout=600, incumbent=(1e6, 0.10))
+    assert out.result.ok, out.failure_detail
+    assert out.summary.stopped_early and out.summary.steps == MIN
+    assert set(csv_rows(tmp_path / "t").values()) == {1 + MIN}
+    done = [json.loads(p.read_text()) for p in sorted((tmp_path / "t").glob("done-rank*.json"))]
+    assert [d["train_batch_calls"] for d in done] == [1 + MIN, 1 + MIN]

@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "examples"
 SCRIPTS = Path(__file__).resolve().parent / "usercmd_scripts"
 USER_CONFIG = EXAMPLES / "ds_config.json"
-FAST = ("--steps", "2", "--warmup-steps", "1", "--trial-timeout", "600")
+FAST = ("--steps", "2", "--warmup-steps", "1", "--fixed-steps", "--trial-timeout", "600")
 
 
 def _env() -> dict[str, str]:

@@ -57,6 +57,14 @@ class BootstrapSettings:
     """Time every layer of the PipelineModule (layer-costs-rankR.csv, autotune/layer_costs.py)."""
     parts: list[int] | None = None
     """Build every PipelineModule with these stage boundaries (autotune/pipeline_parts.py)."""
+    adaptive_steps: bool = False
+    """Measure between `steps` and `max_steps` until the median is known (autotune/step_budget.py)."""
+    step_precision: float = 0.03
+    max_steps: int = 0
+    """The cap of measured steps with adaptive steps (0: `steps`)."""
+    incumbent_samples_per_second: float | None = None
+    """Stop the trial early when it cannot plausibly beat this (adaptive steps only)."""
+    noise: float = 0.10
 
     @property
     def total_steps(self) -> int:
@@ -142,6 +150,8 @@ class _RankState:
         self.probe: Any = None
         self.calls = 0
         self.stopping = False
+        self.budget: Any = None
+        """When the trial's steps end (autotune/step_budget.py); None until the engine is instrumented."""
 
     def write_marker(self, kind: str, payload: dict[str, Any]) -> None:
         path = marker_path(self.settings.trial_dir, kind, self.rank)
@@ -189,12 +199,20 @@ class _RankState:
             attach(self.probe, s.trial_dir)
         if s.mode == MODE_WATCH:
             return  # no step limit: the script's own loop decides when it ends
+        from autotune.step_budget import rank_budget
+
+        batch = (int(engine.train_micro_batch_size_per_gpu()) * int(engine.gradient_accumulation_steps())
+                 * int(engine.grid.data_parallel_size))
+        self.budget = rank_budget(steps=s.steps, warmup_steps=s.warmup_steps, adaptive=s.adaptive_steps,
+                                  precision=s.step_precision, cap=max(s.max_steps, s.steps), global_batch=batch,
+                                  incumbent_samples_per_second=s.incumbent_samples_per_second, noise=s.noise)
+        self.probe.on_step = lambda r: self.budget.observe(r.step_seconds, bool(r.warmup))
         measured = engine.train_batch  # the probe's timed train_batch
 
         def train_batch(*args: Any, **kwargs: Any) -> Any:
             loss = measured(*args, **kwargs)
             self.calls += 1
-            if self.calls >= s.total_steps:
+            if not self.budget.go_on():  # the same decision on every rank, at the same call
                 self.stop()
             return loss
 
@@ -212,6 +230,10 @@ class _RankState:
         """
         self.stopping = True
         self.close_sinks()
+        if self.budget is not None and self.rank == 0:
+            from autotune.step_budget import write_record
+
+            write_record(self.budget, self.settings.trial_dir)
         self.write_marker("done", {"train_batch_calls": self.calls})
         _flush_std()
         try:

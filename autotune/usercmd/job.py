@@ -62,6 +62,7 @@ class UserJob:
                                  warmup_steps=wl.warmup_steps, job=wl.job, metrics_port=wl.metrics_port,
                                  metrics_addr=wl.metrics_addr)
         runner.layer_costs = wl.layer_costs
+        runner.step_length = (wl.adaptive_steps, wl.step_precision, wl.step_cap)
         if wl.partition_method.startswith("parts:"):  # the job's own method is overridden (docs/partition.md)
             from autotune.partition import parse_parts
 

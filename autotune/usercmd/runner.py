@@ -139,8 +139,8 @@ def judge_user_trial(outcome: LaunchOutcome, run_dir: Path, timeout: float, *, s
         if not engines:
             return failed("no_engine", "the script exited without calling deepspeed.initialize", wall)
         exits = read_markers(run_dir, "exit")
-        if exits and not read_markers(run_dir, "done"):
-            calls = min(int(e.get("train_batch_calls", 0)) for e in exits)
+        calls = min((int(e.get("train_batch_calls", 0)) for e in exits), default=0)
+        if exits and not read_markers(run_dir, "done") and calls < steps_needed:  # adaptive: the minimum counts
             return failed("ended_early", f"the script returned after {calls} train_batch() call(s); a trial "
                                           f"needs {steps_needed} (warm-up + measured steps): let it run "
                                           "more steps (e.g. a larger --steps of its own)", wall)
@@ -191,6 +191,8 @@ class UserCommandRunner:
     """Time every layer of the job's PipelineModule (--layer-costs)."""
     parts: list[int] | None = None
     """Stage boundaries the job's PipelineModule is built with (--partition-method parts:...)."""
+    step_length: tuple[bool, float, int] = (False, 0.03, 0)
+    """(adaptive, precision, cap of measured steps): how long each trial measures (autotune/step_budget.py)."""
 
     def __init__(self, command: UserCommand, base_config: DsConfig, *, cwd: Path, data_parallel_size: int,
                  steps: int, warmup_steps: int, job: str = "autotune", metrics_port: int | None = None,
@@ -231,7 +233,11 @@ class UserCommandRunner:
         settings = BootstrapSettings(mode=MODE_TRIAL, trial_dir=str(trial_dir), trial=number,
                                      warmup_steps=self.warmup_steps, steps=self.steps,
                                      metrics_port=self.metrics_port, metrics_addr=self.metrics_addr,
-                                     job=self.job, layer_costs=self.layer_costs, parts=self.parts)
+                                     job=self.job, layer_costs=self.layer_costs, parts=self.parts,
+                                     adaptive_steps=self.step_length[0], step_precision=self.step_length[1],
+                                     max_steps=self.step_length[2],
+                                     incumbent_samples_per_second=incumbent[0] if incumbent else None,
+                                     noise=incumbent[1] if incumbent else 0.10)
         command = self.command
         if self.knobs:  # the script's own flags for the mapped model settings (usercmd/knobs.py)
             from autotune.usercmd.knobs import TRIAL_FILE, apply_knobs
