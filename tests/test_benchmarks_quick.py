@@ -144,3 +144,9 @@ def test_gpu_bucket_memory(tmp_path):
     peaks = re.findall(r"peak MiB \[([\d, ]+)\]", out)
     assert len(peaks) == 2, out
     assert all(0 < int(v) < 10**7 for p in peaks for v in p.split(",")), peaks
+
+
+def test_launch_noise(tmp_path):
+    out = run([sys.executable, "benchmarks/launch_noise.py", "--quick", "--out", str(tmp_path)], timeout=900)
+    figure(out, r"^fresh: within-trial ±([\d.]+) %", 0.0, 1000)
+    figure(out, r"^warm: within-trial ±[\d.]+ %, between launches CV ([\d.]+) %", 0.0, 1000)
