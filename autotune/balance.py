@@ -35,11 +35,23 @@ from autotune.proposers.base import Proposal
 from autotune.space import TrialConfig
 
 THRESHOLD = 1.10
-"""Stage compute imbalance (max / mean) above which the partition trial runs (the goal of issue 13)."""
+"""Stage work imbalance (max / mean, `work_imbalance`) above which the partition trial runs (the goal of issue 13)."""
 MAX_ROUNDS = 2
 """Partition trials at most in one study."""
 SOURCE = "partition"
 RESULT_NAME = "partition.json"
+
+
+def work_imbalance(summary: Any) -> float:
+    """The stage imbalance a partition decides: of the stages' work (thread CPU time on a CPU,
+    where wall time also holds each rank's wait for a core; CUDA events on a GPU)."""
+    work = getattr(summary, "stage_work_imbalance", None)
+    return float(work if work is not None else summary.stage_compute_imbalance)
+
+
+def _slowest(summary: Any) -> int:
+    work = getattr(summary, "stage_work_seconds", None)
+    return int(max(range(len(work)), key=work.__getitem__)) if work else int(summary.slowest_stage)
 
 
 class StageBalancer:
@@ -98,7 +110,7 @@ class StageBalancer:
         from autotune.layer_costs import read_trial_layer_costs
         from autotune.partition import balanced_parts, describe_moves, imbalance, stage_times
 
-        measured = float(summary.stage_compute_imbalance)
+        measured = work_imbalance(summary)
         if measured <= THRESHOLD or self.rounds >= MAX_ROUNDS:
             self._write(decision="balanced" if measured <= THRESHOLD else "rounds spent",
                         measured_imbalance=measured)
@@ -116,7 +128,7 @@ class StageBalancer:
         moved = describe_moves(lc.parts, parts, lc.names)
         if "measured_parts" not in self.info:
             self.info.update(measured_parts=lc.parts, measured_imbalance=measured,
-                             slowest_stage=int(summary.slowest_stage))
+                             slowest_stage=_slowest(summary))
         if parts == lc.parts:
             if not self.rounds:
                 self._write(decision="no better contiguous partition")
@@ -128,7 +140,7 @@ class StageBalancer:
             self._write(decision="measuring")
         self.pending = Proposal(
             config=config, source=SOURCE,
-            reason=f"stage {summary.slowest_stage} is {measured:.2f}x the mean stage; the layer costs of trial "
+            reason=f"stage {_slowest(summary)} does {measured:.2f}x the mean stage's work; the layer costs of trial "
                    f"{number} balance as parts {parts} (predicted imbalance {imbalance(after):.2f}): {moved}")
 
     def _decide(self, number: int, config: TrialConfig, ok: bool, samples_per_second: float | None,
@@ -139,7 +151,7 @@ class StageBalancer:
         faster = bool(ok and samples_per_second is not None and sps > self.best)
         current = self.info["rounds"][-1]
         current.update(trial=number, samples_per_second=samples_per_second, kept=faster,
-                       measured_imbalance=float(summary.stage_compute_imbalance) if summary is not None else None)
+                       measured_imbalance=work_imbalance(summary) if summary is not None else None)
         if faster:
             self.note(f"      partition: parts {parts} kept for the later trials ({sps:.1f} against "
                       f"{self.best:.1f} samples/s)")
@@ -150,7 +162,7 @@ class StageBalancer:
                       f"later trials keep {keep}")
         self.info.update(parts=self.kept, kept_samples_per_second=self.best)
         self._write(decision="kept" if self.kept is not None else "rejected")
-        if (faster and summary is not None and summary.stage_compute_imbalance > THRESHOLD
+        if (faster and summary is not None and work_imbalance(summary) > THRESHOLD
                 and self.rounds < MAX_ROUNDS):
             self._plan(number, config, summary)  # still unbalanced: one more round from its own costs
 

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 from autotune.schema import StepRecord
 from autotune.summary import busy_fraction
-from autotune.timing import IntervalTimer, make_timer
+from autotune.timing import CPU_SUFFIX, IntervalTimer, make_timer
 
 COMPUTE, OPTIMIZER, COMM, WAIT, DATA = "compute", "optimizer", "comm", "wait", "data"
 
@@ -158,6 +158,7 @@ class PipelineProbe:
         stages = int(eng.num_stages)
         optimizer = parts.get(OPTIMIZER, 0.0)
         compute = parts.get(COMPUTE, 0.0) + optimizer
+        work = parts.get(COMPUTE + CPU_SUFFIX)  # CPU only: the forward/backward work in thread CPU time
         samples_per_second = micro * gas * dp / step_seconds if step_seconds > 0 else 0.0
         util = None
         if self.device is not None:
@@ -189,6 +190,7 @@ class PipelineProbe:
             data_parallel_size=dp, seq_length=self.seq_length,
             device=str(eng.device) if hasattr(eng, "device") else "cpu", host=self.host,
             optimizer_seconds=optimizer, utilization_from_device=int(from_device),
+            compute_cpu_seconds=work,
         )
 
 

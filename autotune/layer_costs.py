@@ -7,7 +7,9 @@ hands it every step's record (so warm-up steps are known) and closes it at the e
 when it writes `layer-costs-rank{R}.csv` (format: docs/partition.md).
 
 How a layer is timed, with the probe's clock (autotune/timing.py: CUDA events on
-a GPU, the host clock on CPU):
+a GPU; on a CPU the thread's CPU time, so a layer's cost is its work and not the
+wait for a core, which on a machine with fewer cores than ranks depends on what the
+other ranks do at that moment):
 - forward: a forward pre-hook and a forward hook on each layer module of the stage
   (`module.forward_funcs`; a plain function layer is not timed and costs 0);
 - backward: a hook on each layer's output tensor fires when the gradient of that
@@ -35,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from autotune.fileio import write_atomic
-from autotune.timing import IntervalTimer, make_timer
+from autotune.timing import IntervalTimer, make_timer, work_view
 
 FILE_PATTERN = "layer-costs-rank{rank}.csv"
 FILE_GLOB = "layer-costs-rank*.csv"
@@ -161,7 +163,7 @@ class LayerCostSink:
 
     # -- sink -------------------------------------------------------------------
     def write(self, record: Any) -> None:
-        parts = self.timer.collect()
+        parts = work_view(self.timer.collect())  # CPU: thread CPU time, not the wait for a core
         if not record.warmup:
             self.steps.append(parts)
 

@@ -79,6 +79,11 @@ class StepRecord:
     """1: device_utilization is the device's own counter (NVML: share of time a kernel
     ran). 0: it is the busy fraction compute/step (CPU, or a GPU without NVML).
     Empty in CSVs written before the column existed."""
+    compute_cpu_seconds: float | None = None
+    """CPU devices: thread CPU seconds of the forward and backward instructions, the stage's
+    work without the wait for a core (autotune/timing.py ThreadCpuTimer; the optimizer step
+    left out, as the stage balance leaves it out). None on CUDA, where compute_seconds is
+    already the device's own time, and in CSVs written before the column existed."""
 
 
 CSV_COLUMNS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(StepRecord))

@@ -161,6 +161,14 @@ class TrialSummary:
     """High end of that interval."""
     step_seconds_rel_half_width: float | None = None
     """(high - low) / 2 / median step time: 0.021 reads "+-2.1 %"."""
+    stage_work_seconds: list[float] | None = None
+    """Per stage, mean forward+backward work per step: thread CPU seconds on a CPU
+    (`compute_cpu_seconds`), the same as `stage_compute_seconds` on a GPU (CUDA events
+    are the device's own time). None where the CSV has no CPU-time column."""
+    stage_work_imbalance: float | None = None
+    """max / mean of `stage_work_seconds`: the imbalance a partition can fix. On a CPU
+    with fewer cores than ranks the wall-time `stage_compute_imbalance` also holds each
+    stage's wait for a core, which the partition does not decide (docs/partition.md)."""
     stopped_early: bool = False
     """The ranks ended the trial early: its interval lay below the best trial so far by more than
     the noise margin (the value is still the trial's measured median)."""
@@ -187,7 +195,7 @@ SUMMARY_COLUMNS = frozenset({
     "wait_seconds", "device_utilization", "memory_fragmentation_ratio", "loss", "micro_batch_size",
     "gradient_accumulation_steps", "reduce_bucket_size", "pipeline_stages", "data_parallel_size",
     "seq_length", "memory_peak_bytes", "memory_reserved_bytes", "optimizer_seconds",
-    "utilization_from_device",
+    "utilization_from_device", "compute_cpu_seconds",
 })
 """The columns summarize reads; the others are only validated."""
 
@@ -300,6 +308,7 @@ def _summarize_trial(c: Columns, source: str) -> TrialSummary | None:
     mean_comp = float(np.mean(stage_means))
     imbalance = max(stage_means) / mean_comp if mean_comp > 0 else 1.0
     slowest = stage_ids[stage_means.index(max(stage_means))]
+    work_means, work_imbalance = _stage_work(m, rinv, rank_stage, stage_ids, stage_means)
 
     frag = []
     for k in range(len(ranks)):
@@ -341,6 +350,7 @@ def _summarize_trial(c: Columns, source: str) -> TrialSummary | None:
         bubble_fraction_measured=float(np.mean([r.bubble_fraction for r in rank_rows])),
         bubble_fraction_ideal=ideal,
         stage_compute_imbalance=imbalance, slowest_stage=slowest, stage_compute_seconds=stage_means,
+        stage_work_seconds=work_means, stage_work_imbalance=work_imbalance,
         memory_fragmentation_ratio=max(frag) if frag else None,
         memory_peak_bytes=_nanmax(m, "memory_peak_bytes"),
         memory_reserved_bytes=_nanmax(m, "memory_reserved_bytes"),
@@ -360,3 +370,22 @@ def _nanmax(m: Columns, name: str) -> float | None:
         return None
     v = v[~np.isnan(v)]
     return float(v.max()) if v.size else None
+
+
+def _stage_work(m: dict, rinv: np.ndarray, rank_stage: np.ndarray, stage_ids: list[int],
+                stage_means: list[float]) -> tuple[list[float] | None, float | None]:
+    """Per-stage work and its imbalance: thread CPU time where the CSV has it, else on a GPU
+    (reserved bytes come only from the CUDA allocator) the compute time itself, else None
+    (a CPU CSV written before the column existed)."""
+    col = m.get("compute_cpu_seconds")
+    reserved = m.get("memory_reserved_bytes")
+    on_gpu = reserved is not None and not np.isnan(reserved).all()
+    if col is not None and not np.isnan(col).all():
+        per_rank = np.bincount(rinv, weights=np.nan_to_num(col)) / np.bincount(rinv)
+        means = [float(np.mean(per_rank[rank_stage == s])) for s in stage_ids]
+    elif on_gpu:
+        means = list(stage_means)
+    else:
+        return None, None
+    mean = float(np.mean(means))
+    return means, (max(means) / mean if mean > 0 else 1.0)

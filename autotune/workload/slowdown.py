@@ -27,16 +27,25 @@ def stretch_layer(module: Any, layer: int, factor: float) -> bool:
     """Make global layer `layer`'s forward take `factor` times as long, if this stage holds it.
 
     A per-layer ground truth for the layer-cost tests (autotune/layer_costs.py): hooks
-    registered here run before the measuring ones, so the sleep falls inside the
-    layer's measured forward. Returns whether this stage holds the layer.
+    registered here run before the measuring ones, so the extra time falls inside the
+    layer's measured forward. It is work, not a sleep: the thread spins until it has
+    used `factor` times the forward's CPU time, because a slow layer does more work and
+    the layer costs are timed in thread CPU time on a CPU. Returns whether this stage
+    holds the layer.
     """
     local = layer - int(getattr(module, "_local_start", 0))
     if factor == 1 or not 0 <= local < len(module.forward_funcs):
         return False
     target = module.forward_funcs[local]
     started: list[float] = []
-    target.register_forward_pre_hook(lambda _m, _a: started.append(time.perf_counter()))
-    target.register_forward_hook(lambda _m, _a, _o: time.sleep((factor - 1) * (time.perf_counter() - started.pop())))
+
+    def burn(_m: Any, _a: Any, _o: Any) -> None:
+        until = time.thread_time() + (factor - 1) * (time.thread_time() - started.pop())
+        while time.thread_time() < until:
+            pass
+
+    target.register_forward_pre_hook(lambda _m, _a: started.append(time.thread_time()))
+    target.register_forward_hook(burn)
     return True
 
 
