@@ -138,6 +138,7 @@ class LiveTargets:
         self._folders: dict[Path, float] = {}
         self._extra: list[ScrapeTarget] = []
         self._lock = threading.Lock()
+        self._refreshing = threading.Lock()
         self._written: str | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -171,15 +172,19 @@ class LiveTargets:
         return [*self.fixed, *extra, *ranks]
 
     def refresh(self) -> None:
-        """Rewrite the file when what it should list changed; a failed write is retried next poll."""
-        text = targets_json(self.current())
-        if text == self._written:
-            return
-        try:
-            write_atomic(self.path, text)
-        except OSError:
-            return
-        self._written = text
+        """Rewrite the file when what it should list changed; a failed write is retried next poll.
+
+        One refresh at a time, from reading to writing: the poller's refresh must not write
+        what it read before an `unwatch` after the unwatch has written its own."""
+        with self._refreshing:
+            text = targets_json(self.current())
+            if text == self._written:
+                return
+            try:
+                write_atomic(self.path, text)
+            except OSError:
+                return
+            self._written = text
 
     def close(self) -> None:
         """Stop polling and empty the file: nothing it listed serves any more."""
