@@ -10,6 +10,8 @@ Run (2 stages, 2 ranks, CPU):
 
 Within one process per rank, blocks of steps alternate between the probe alone and the
 probe plus the layer-cost sink (autotune/layer_costs.py), so machine noise hits both alike.
+Each rank prints the wall-time ratio and the thread-CPU-time ratio (the hooks' own work,
+without the waits for peers and cores that make wall time noisy on shared cores).
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ def main() -> int:
         engine.train_batch(data_iter=data)
     out = Path(tempfile.mkdtemp(prefix="layer-cost-overhead-"))
     on, off = [], []
+    cpu_on, cpu_off = [], []
     for block in range(2 * args.blocks):
         hooked = block % 2 == 0
         sink = None
@@ -65,18 +68,24 @@ def main() -> int:
             sink = LayerCostSink(engine, out / f"layer-costs-rank{engine.global_rank}.csv")
             probe.sinks.append(sink)
         for _ in range(args.steps_per_block):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             engine.train_batch(data_iter=data)
             (on if hooked else off).append(time.perf_counter() - t0)
+            (cpu_on if hooked else cpu_off).append(time.thread_time() - c0)
         if sink is not None:
             sink.detach()
             probe.sinks.remove(sink)
+    m_on, m_off = statistics.median(on), statistics.median(off)
+    c_on, c_off = statistics.median(cpu_on), statistics.median(cpu_off)
     if engine.global_rank == 0:
-        m_on, m_off = statistics.median(on), statistics.median(off)
         print(f"steps: {len(on)} with layer-cost hooks, {len(off)} without; preset {args.preset}, "
               f"micro {args.micro}, GAS {args.gas}, {args.stages} stages")
-        print(f"median step: hooks {m_on * 1000:.2f} ms, no hooks {m_off * 1000:.2f} ms, "
-              f"ratio {m_on / m_off:.3f}")
+    # Every rank: the stages hold different layers. The CPU-time ratio is the hooks' own work
+    # on this rank (a wait for a peer or for a core does not count); the wall ratio also
+    # carries the machine's noise.
+    print(f"rank {engine.global_rank}: median step wall {m_on * 1000:.2f} ms with hooks, {m_off * 1000:.2f} ms "
+          f"without, ratio {m_on / m_off:.3f}; thread CPU {c_on * 1000:.2f} vs {c_off * 1000:.2f} ms, "
+          f"ratio {c_on / c_off:.3f}", flush=True)
     return 0
 
 
