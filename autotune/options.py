@@ -151,6 +151,9 @@ class RunOptions:
                          lo=1, hi=100_000, group="study", show_default=False)
     study: str = option("autotune-study", "Study folder.", group="study")
     resume: bool = option(False, "Continue the study in --study (rerunning with it does too).", group="study")
+    full_budget: bool = option(False, "Run every trial of --budget; by default the search stops once no "
+                               "candidate is expected to beat the best by more than the measurement "
+                               "noise (docs/tuner.md).", group="study")
     config: str | None = option(None, "Starting ds_config.json (default: the built-in workload's).",
                                 group="study", cli_type=str)
     tuner: str = option("hybrid", "hybrid, bayes, random, grid, ds-autotuner (optuna-gp, optuna-tpe "

@@ -38,6 +38,7 @@ def open_study(opts: RunOptions) -> tuple[Study, RunOptions]:
                             "version?); start a new study with another --study") from None
         resumed.budget, resumed.resume = opts.budget, True
         resumed.trial_timeout = opts.trial_timeout or resumed.trial_timeout
+        resumed.full_budget = opts.full_budget  # whether to stop a converged search is this run's
         for name in ("metrics_port", "rank_metrics_port", "metrics_addr", "no_metrics"):
             setattr(resumed, name, getattr(opts, name))  # where to serve is this run's, not the study's
         return study, resumed
@@ -110,7 +111,7 @@ def tune(opts: RunOptions, display: ProgressDisplay | None = None, *,
         tuner = Tuner(study=study, runner=runner, space=space, proposer=proposer,
                       baseline=baseline, display=display, budget=opts.budget,
                       trial_timeout=opts.trial_timeout, rules_fired=fired, exporter=exporter,
-                      balancer=balancer)
+                      balancer=balancer, stop_early=not opts.full_budget)
         try:
             return tuner.run()
         finally:

@@ -46,6 +46,7 @@ def study_results(study: Study) -> dict[str, Any]:
         "baseline": trial_entry(baseline) if baseline else None,
         "best": ({**trial_entry(best), "measurements": best.repeats} if best else None),
         "speedup_over_baseline": speedup,
+        "stopped": study.get_meta_json("stopped"),  # before the budget: why (autotune/search_stop.py)
     }
 
 
@@ -70,6 +71,9 @@ def render_markdown(summary: dict[str, Any]) -> str:
         lines.append(f"Baseline (trial 0): {base['samples_per_second']:.1f} samples/s.")
     if summary["speedup_over_baseline"]:
         lines.append(f"Speed-up over the baseline: {summary['speedup_over_baseline']:.2f}x.")
+    if summary.get("stopped"):
+        st = summary["stopped"]
+        lines.append(f"Stopped after {st['trials']} of {st['budget']} trials: {st['reason']}.")
     if summary.get("space"):
         lines.append(f"Search space: {summary['space'].get('description', '')}")
     lines += ["", "| trial | proposed by | micro | GAS | bucket | samples/s | status | why |",

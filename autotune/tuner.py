@@ -23,6 +23,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from autotune import search_stop
 from autotune.display import ProgressDisplay
 from autotune.faults import crash_point
 from autotune.judge import TrialOutcome
@@ -85,7 +86,7 @@ class Tuner:
                  baseline: TrialConfig, display: ProgressDisplay, budget: int,
                  trial_timeout: float | None = None,
                  rules_fired: Callable[[TrialSummary], list[str]] | None = None,
-                 exporter: Any | None = None, balancer: Any | None = None) -> None:
+                 exporter: Any | None = None, balancer: Any | None = None, stop_early: bool = True) -> None:
         self.study, self.runner, self.space, self.proposer = study, runner, space, proposer
         self.balancer = balancer
         """A model-setting step around the search: the partition (autotune/balance.py,
@@ -94,6 +95,9 @@ class Tuner:
         self.trial_timeout = trial_timeout
         self.rules_fired = rules_fired
         self.exporter = exporter
+        self.stop_early = stop_early
+        """The budget as a cap: stop once the proposer says the search has converged
+        (autotune/search_stop.py); False with --full-budget."""
 
     # -- the loop -------------------------------------------------------------
     def run(self) -> TuneResult:
@@ -102,6 +106,8 @@ class Tuner:
                 redo = self._recover()
                 while len(self.study.counted()) < self.budget:
                     proposal = self._next_proposal(redo)
+                    if proposal is None:
+                        break  # converged: the note says why
                     self._run_one(proposal)
             except KeyboardInterrupt as exc:
                 signum = exc.signum if isinstance(exc, Stopped) else signal.SIGINT
@@ -179,7 +185,7 @@ class Tuner:
         for port in ports:
             remove_shm_buffers(port)
 
-    def _next_proposal(self, redo: list[TrialRow]) -> tuple[int, Proposal]:
+    def _next_proposal(self, redo: list[TrialRow]) -> tuple[int, Proposal] | None:
         if redo:
             t = redo.pop(0)
             return t.number, Proposal(config=t.config, source=t.source,
@@ -190,6 +196,11 @@ class Tuner:
             return 0, Proposal(config=self.baseline, source="baseline",
                                reason="the starting configuration, measured as the reference")
         balanced = self.balancer.next_proposal() if self.balancer is not None else None
+        if balanced is None:
+            stopped = search_stop.check(self.study, self.proposer, self.budget, enabled=self.stop_early)
+            if stopped is not None:
+                self.display.note(search_stop.describe(stopped))
+                return None
         return number, balanced or self.proposer.ask()
 
     def _run_one(self, item: tuple[int, Proposal]) -> None:

@@ -3,6 +3,11 @@
     .venv/bin/python -m benchmarks.tuner_benchmark            # the reported table
     .venv/bin/python -m benchmarks.tuner_benchmark --quick    # a smoke run
     .venv/bin/python -m benchmarks.tuner_benchmark --seed-offset 1000   # development seeds
+    .venv/bin/python -m benchmarks.tuner_benchmark --tuners hybrid --cap   # the budget as a cap
+
+`--cap`: every run twice, same seed, with and without the early stop
+(`Proposer.converged`, asked before each trial as `autotune run` does): trials used
+and the final pick's score in both.
 
 Each run: trial 1 is the scenario's baseline configuration (told to the tuner,
 as `autotune run` does), then the tuner proposes `budget - 1` trials through
@@ -49,13 +54,20 @@ class RunResult:
     oom: int = 0
     sources: Counter = field(default_factory=Counter)
     seconds: float = 0.0
+    cap: bool = False
+    stopped: str | None = None
+    """Why the capped run stopped before its budget (None: it ran the budget)."""
+
+    @property
+    def trials(self) -> int:
+        return len(self.scores)
 
 
 _OPTIMA: dict[str, float] = {}
 
 
-def run_one(job: tuple[str, int, int, int]) -> RunResult:
-    tuner, sc_idx, seed, budget = job
+def run_one(job: tuple) -> RunResult:
+    tuner, sc_idx, seed, budget, cap = (*job, False)[:5]
     sc = scenarios()[sc_idx]
     if sc.name not in _OPTIMA:
         _OPTIMA[sc.name] = sc.optimum()[1]
@@ -64,12 +76,15 @@ def run_one(job: tuple[str, int, int, int]) -> RunResult:
     moves = moves_fn()[0] if tuner == "hybrid" else None
     prop = make_proposer(tuner, sc.space, seed=seed, moves=moves, budget=budget)
     hist = History(sc.space)
-    out = RunResult(tuner=tuner, scenario=sc.name, seed=seed)
+    out = RunResult(tuner=tuner, scenario=sc.name, seed=seed, cap=cap)
     t0 = time.perf_counter()
     for t in range(budget):
         if t == 0:
             cfg, source = sc.baseline, "baseline"
         else:
+            if cap and (why := prop.converged()):
+                out.stopped = why
+                break
             p = prop.ask()
             cfg, source = p.config, p.source
         result = sim(cfg, t)
@@ -120,6 +135,30 @@ def per_scenario(results: list[RunResult], tuner: str) -> str:
     return "\n".join(lines)
 
 
+def cap_table(results: list[RunResult], tuner: str, budget: int) -> str:
+    """Capped vs full runs of the same seeds: trials used and the final pick's score."""
+    lines = [f"| scenario ({tuner}) | trials used, cap (mean) | stopped early | score, cap | score, full budget "
+             "| runs where the cap lost > 2 % | worst loss |",
+             "|---|---|---|---|---|---|---|"]
+    pairs = {}
+    for r in results:
+        if r.tuner == tuner:
+            pairs.setdefault((r.scenario, r.seed), {})[r.cap] = r
+    rows = [(sc.name, [p for (name, _), p in pairs.items() if name == sc.name and len(p) == 2])
+            for sc in scenarios()]
+    rows.append(("all", [p for p in pairs.values() if len(p) == 2]))
+    for name, ps in rows:
+        if not ps:
+            continue
+        loss = [p[False].scores[-1] - p[True].scores[-1] for p in ps]
+        lines.append(f"| {name} | {statistics.fmean(p[True].trials for p in ps):.1f} of {budget} "
+                     f"| {sum(p[True].stopped is not None for p in ps) / len(ps):.0%} "
+                     f"| {statistics.fmean(p[True].scores[-1] for p in ps):.3f} "
+                     f"| {statistics.fmean(p[False].scores[-1] for p in ps):.3f} "
+                     f"| {sum(x > 0.02 for x in loss)} of {len(ps)} | {max(loss):+.3f} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seeds", type=int, default=20, help="seeds per scenario (default 20)")
@@ -130,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, default=2, help="processes (default 2)")
     ap.add_argument("--quick", action="store_true", help="3 seeds, budget 12: a smoke run")
     ap.add_argument("--calibration", action="store_true", help="print the calibration check and exit")
+    ap.add_argument("--cap", action="store_true",
+                    help="run every seed with and without the early stop (the budget as a cap)")
     args = ap.parse_args(argv)
     if args.calibration:
         print("| setting | measured | model |\n|---|---|---|")
@@ -144,17 +185,28 @@ def main(argv: list[str] | None = None) -> int:
     if skipped:
         print(f"skipped (not installed): {', '.join(skipped)}", file=sys.stderr)
     n_sc = len(scenarios())
-    jobs = [(t, i, args.seed_offset + s, args.budget) for t in tuners for i in range(n_sc) for s in range(args.seeds)]
+    caps = (False, True) if args.cap else (False,)
+    jobs = [(t, i, args.seed_offset + s, args.budget, c) for t in tuners for i in range(n_sc)
+            for s in range(args.seeds) for c in caps]
     t0 = time.perf_counter()
     if args.workers > 1:
         with Pool(args.workers) as pool:
             results = pool.map(run_one, jobs, chunksize=1)
     else:
         results = [run_one(j) for j in jobs]
-    print(f"{len(jobs)} runs ({n_sc} scenarios x {args.seeds} seeds x {len(tuners)} tuners), budget {args.budget}, "
+    print(f"{len(jobs)} runs ({n_sc} scenarios x {args.seeds} seeds x {len(tuners)} tuners{' x 2 modes' if args.cap else ''}), budget {args.budget}, "
           f"seeds {args.seed_offset}..{args.seed_offset + args.seeds - 1}, {time.perf_counter() - t0:.0f} s; "
           f"hybrid moves: {moves_fn()[1]}\n")
-    print(table(results, tuners, args.budget))
+    full = [r for r in results if not r.cap]
+    print(table(full, tuners, args.budget))
+    if args.cap:
+        for name in tuners:
+            print()
+            print(cap_table(results, name, args.budget))
+        reasons = Counter(r.stopped.split(" (")[0].split(" is ")[0] for r in results if r.cap and r.stopped)
+        if reasons:
+            print("\ncapped runs stopped because: " + "; ".join(f"{k} ({v})" for k, v in reasons.most_common()))
+    results = full
     if "hybrid" in tuners:
         print()
         print(per_scenario(results, "hybrid"))

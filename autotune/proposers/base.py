@@ -4,6 +4,9 @@ implements it; the tuning loop and the benchmark only talk to this interface.
 - `ask()` returns the next configuration to run, with who proposed it and why.
 - `tell(config, result)` reports any finished trial, whoever proposed it
   (including the baseline and trials told back after a resume).
+- `converged()` says why the search may stop before its budget (the budget is a
+  cap, not a quota), or None; asked before each `ask()`. Proposers without a
+  model of what is left to gain return None and run the whole budget.
 """
 
 from __future__ import annotations
@@ -49,3 +52,5 @@ class Proposer(Protocol):
     def ask(self) -> Proposal: ...
 
     def tell(self, config: TrialConfig, result: TrialResult) -> None: ...
+
+    def converged(self) -> str | None: ...

@@ -32,6 +32,9 @@ class RandomProposer:
     def tell(self, config: TrialConfig, result: TrialResult) -> None:
         self.history.record(config, result)
 
+    def converged(self) -> str | None:
+        return None  # no model of what is left to gain: the whole budget runs
+
 
 class GridProposer:
     """A coarse grid (3 log-spaced buckets) visited in a seeded random order.
@@ -60,6 +63,9 @@ class GridProposer:
     def tell(self, config: TrialConfig, result: TrialResult) -> None:
         self.history.record(config, result)
 
+    def converged(self) -> str | None:
+        return None  # no model of what is left to gain: the whole budget runs
+
 
 class DSAutotunerProposer:
     """DeepSpeed's autotuner, fast mode, transplanted to our space (tuner-facts.md).
@@ -85,6 +91,9 @@ class DSAutotunerProposer:
     def tell(self, config: TrialConfig, result: TrialResult) -> None:
         if self.history.record(config, result) and self._gas is None and self.space.global_batch is None:
             self._gas = config.gradient_accumulation_steps  # the user's GAS, kept from then on
+
+    def converged(self) -> str | None:
+        return None  # no model of what is left to gain: the whole budget runs
 
     def _pair(self, micro_idx: int) -> tuple[int, int] | None:
         m = self.space.micro_batch_sizes[micro_idx]

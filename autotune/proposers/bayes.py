@@ -149,6 +149,9 @@ class BayesProposer:
     def tell(self, config: TrialConfig, result: TrialResult) -> None:
         self.history.record(config, result)
 
+    def converged(self) -> str | None:
+        return None  # no model of what is left to gain: the whole budget runs
+
     # ---- model ------------------------------------------------------------
     def observations(self) -> tuple[list[list], list[float]]:
         """(X, y) to tell skopt: -log(samples/s); failures as a finite penalty."""

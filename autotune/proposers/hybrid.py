@@ -30,6 +30,12 @@ first ten on random ones and on the memory cliff. So:
    within `noise` of it (real CPU trials repeat within ~14 %), so the final
    choice is not a lucky draw. A re-measure is the one deliberate repeat;
    its source is "remeasure".
+5. The budget is a cap (`converged`, autotune/proposers/convergence.py): after
+   `min_trials` told trials and the rule phase, once the best constrained
+   expected improvement of any candidate is below `stop_ratio x noise`, the
+   proposer says the search has converged, but only after the re-measurement
+   (and near-cliff confirmation) the final choice needs: while one is owed,
+   `converged` returns None and the next `ask` is that re-measurement.
 """
 
 from __future__ import annotations
@@ -37,10 +43,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 
+from autotune.proposers import convergence
 from autotune.proposers.base import Proposal, TrialResult
-from autotune.proposers.bayes import BayesProposer
+from autotune.proposers.bayes import BayesProposer, Surrogate
 from autotune.proposers.feasibility import FeasibilityModel
-from autotune.proposers.pool import valid_pairs
+from autotune.proposers.pool import candidate_pool, valid_pairs
 from autotune.space import SearchSpace, TrialConfig
 
 MovesFn = Callable[..., list[Proposal]]
@@ -83,7 +90,8 @@ class HybridProposer:
     def __init__(self, space: SearchSpace, *, seed: int = 0, moves: MovesFn | None = None,
                  budget: int | None = None, rule_phase: int = 8, rule_bonus: float = 0.5,
                  n_initial_points: int = 3, noise: float = 0.10, remeasure_slots: int = 1,
-                 max_rechecks: int = 2, feasibility: FeasibilityModel | None = None) -> None:
+                 max_rechecks: int = 2, feasibility: FeasibilityModel | None = None,
+                 min_trials: int = 8, stop_ratio: float = 1.0, patience: int = 0) -> None:
         self.space = space
         self.moves = moves
         self.budget = budget
@@ -95,6 +103,17 @@ class HybridProposer:
         self.straggler_gap = 0.10
         """Relative shortfall against physics that flags a measurement as a likely straggler."""
         self._rechecks = 0
+        self.min_trials = min_trials
+        """Told trials before the search may stop early (`converged`)."""
+        self.stop_ratio = stop_ratio
+        """Stop when the best expected improvement is below stop_ratio x noise."""
+        self.patience = patience
+        """Told trials since the incumbent last changed before the search may stop."""
+        self._incumbent: tuple | None = None
+        self._incumbent_since = 0
+        self._stopping = False
+        """The last `converged` found nothing worth a trial: re-measure now, whatever the budget."""
+        self._fitted: tuple[int, Surrogate | None] | None = None
         self.feasibility = feasibility or FeasibilityModel(space)
         self.bayes = BayesProposer(space, seed=seed, n_initial_points=n_initial_points,
                                    veto=self.feasibility.vetoed, oom_as_penalty=False)
@@ -104,11 +123,60 @@ class HybridProposer:
     def tell(self, config: TrialConfig, result: TrialResult) -> None:
         self.bayes.tell(config, result)
         self.feasibility.observe(config, result)
+        best = self.history.best()
+        if best is not None and best.key() != self._incumbent:
+            self._incumbent = best.key()
+            self._incumbent_since = len(self.history.observations) + self.history.ignored
 
     def ask(self) -> Proposal:
         prop = self._remeasure() or self._confirm() or self._recheck() or self._choose()
+        if prop.source in ("confirm", "recheck"):
+            self._rechecks += 1
         self.history.pending.add(prop.config.key())
         return prop
+
+    def converged(self) -> str | None:
+        """Why the search may stop now (None: keep going). Ask it before each `ask`."""
+        self._stopping = False
+        told = len(self.history.observations) + self.history.ignored
+        if told < self.min_trials or len(self.history.ok) < self.rule_phase:
+            return None
+        if self.budget is not None and told >= self.budget:
+            return None
+        if told - self._incumbent_since < self.patience:
+            return None
+        v = self.stop_verdict()
+        if v is None or v.expected_gain >= v.threshold:
+            return None
+        self._stopping = True
+        if self._remeasure() or self._confirm() or self._recheck():
+            return None  # the final choice is re-measured first: the next ask() does it
+        return v.reason()
+
+    def stop_verdict(self) -> convergence.Verdict | None:
+        """The best candidate's expected gain against the noise (None before the GP has data)."""
+        incumbent = self.history.best()
+        surrogate = self._surrogate()
+        if incumbent is None or surrogate is None:
+            return None
+        seen = self.history.seen
+        rules = [c.config for c in self._rule_candidates(incumbent, seen)]
+        # The grid without random buckets: the stop check draws nothing from the search's
+        # random stream, so a capped run is the prefix of the same run without a cap.
+        pool = [c for c in candidate_pool(self.space, self.bayes._rng, random_buckets=0, extra=rules)
+                if c.key() not in seen and not self.feasibility.vetoed(c)]
+        noise, source = convergence.noise_estimate(self.history, self.noise)
+        return convergence.verdict(surrogate, incumbent, pool, self.feasibility.p_ok, noise, source,
+                                   ratio=self.stop_ratio)
+
+    def _surrogate(self) -> Surrogate | None:
+        """The GP on every told trial, fitted once per number of observations."""
+        n = len(self.history.observations)
+        if n < self.bayes.n_initial_points:
+            return None
+        if self._fitted is None or self._fitted[0] != n:
+            self._fitted = (n, self.bayes.fit())
+        return self._fitted[1]
 
     # ---- candidates ------------------------------------------------------
     def _allowed(self, cfg: TrialConfig, seen: set[tuple]) -> bool:
@@ -166,7 +234,7 @@ class HybridProposer:
         cands = self._rule_candidates(incumbent, seen) if incumbent is not None else []
         if cands and len(self.history.ok) < self.rule_phase:
             return cands[0]
-        surrogate = self.bayes.fit() if len(self.history.observations) >= self.bayes.n_initial_points else None
+        surrogate = self._surrogate()
         if surrogate is not None:
             pick = self.bayes.best_candidate(surrogate, seen, extra=[c.config for c in cands],
                                              weight=self.feasibility.p_ok)
@@ -215,7 +283,6 @@ class HybridProposer:
                         worst = (v2 / v, c, v)
         if worst is None:
             return None
-        self._rechecks += 1
         ratio, cfg, v = worst
         return Proposal(config=cfg, source="recheck",
                         reason=f"measured {v:.3g} samples/s, {ratio - 1:.0%} below the same micro-batch with "
@@ -235,16 +302,15 @@ class HybridProposer:
         p = self.feasibility.p_ok(best)
         if n > 1 or p >= 0.9:
             return None
-        self._rechecks += 1
         return Proposal(config=best, source="confirm",
                         reason=f"best so far ({v:.3g} samples/s) fits in memory with estimated probability "
                                f"{p:.0%}: run it again before recommending it")
 
     def _remeasure(self) -> Proposal | None:
-        if self.budget is None or self.remeasure_slots <= 0:
+        if self.remeasure_slots <= 0:
             return None
         told = len(self.history.observations) + self.history.ignored
-        if self.budget - told > self.remeasure_slots:
+        if not self._stopping and (self.budget is None or self.budget - told > self.remeasure_slots):
             return None
         ranked = self.history.ranked()
         if len(ranked) < 2:

@@ -105,3 +105,6 @@ class OptunaProposer:
                 params=params, distributions=self._dists, value=value, user_attrs={_CONSTRAINT: violated},
                 # samplers read constraints from here; only `study.tell` fills it itself
                 system_attrs={_CONSTRAINTS_KEY: (violated,)}))
+
+    def converged(self) -> str | None:
+        return None  # no model of what is left to gain: the whole budget runs
