@@ -83,6 +83,11 @@ def folder_hash(root: Path) -> str:
     (["--fault", "meteor@1"], "unknown fault"),
     (["--activation-checkpoint-interval", "-2"], "activation-checkpoint-interval"),
     (["--workers", "lukewarm"], "--workers 'lukewarm': use warm or fresh"),
+    (["--step-precision", "0"], "--step-precision must be > 0"),
+    (["--step-precision", "0.9"], "--step-precision must be <= 0.5"),
+    (["--step-precision", "nan"], "--step-precision must be a finite number"),
+    (["--max-steps", "0"], "--max-steps must be >= 1"),
+    (["--steps", "6", "--max-steps", "3"], "--max-steps 3 is below --steps 6"),
 ])
 def test_run_arguments_out_of_range(tmp_path, args, needle):
     study = tmp_path / "st"
