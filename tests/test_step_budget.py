@@ -171,3 +171,62 @@ def test_every_rank_decides_the_same_step(series, warmup):
     assert 6 <= n <= 18
     slowest = [max(s[i] for s in series) for i in range(n)]
     assert ranks.budgets[0].shared == slowest
+
+
+def test_the_summary_holds_the_interval_of_the_slowest_ranks_step_times():
+    from builders import grid_records
+
+    from autotune.summary import summarize_trial
+
+    s = summarize_trial(grid_records(steps=13))  # 1 warm-up + 12 measured steps, 4 ranks
+    slowest = [max(1.0 + 0.01 * ((st * 7 + r) % 5) for r in range(4)) for st in range(1, 13)]
+    iv = median_interval(slowest)
+    assert (s.step_seconds_low, s.step_seconds_high) == (iv.low, iv.high)
+    assert s.step_seconds_rel_half_width == pytest.approx(iv.relative_half_width)
+    assert not s.stopped_early and s.steps_ended_by is None  # the ranks' record is the judge's to add
+    few = summarize_trial(grid_records(steps=4))
+    assert few.step_seconds_low is None and few.step_seconds_rel_half_width is None
+
+
+def test_the_progress_row_shows_the_interval_and_an_early_stop():
+    from builders import healthy_summary
+    from rich.console import Console
+
+    from autotune.display import ProgressDisplay
+    from autotune.space import TrialConfig
+
+    console = Console(record=True, width=200)
+    d = ProgressDisplay(console=console, budget=3)
+    cfg = TrialConfig(micro_batch_size=4, gradient_accumulation_steps=8)
+    d.trial_row(1, cfg, "bayes", "ok", healthy_summary(step_seconds_rel_half_width=0.021, stopped_early=True),
+                None, False)
+    d.trial_row(2, cfg, "bayes", "ok", healthy_summary(), None, False)
+    rows = console.export_text().splitlines()
+    assert "±95%" in rows[0]
+    assert "±2.1%" in rows[1] and "ok (stopped early)" in rows[1]
+    assert "n/a" in rows[2] and "stopped early" not in rows[2]
+
+
+@pytest.mark.parametrize("source,measured_before,expect", [
+    ("bayes", False, True), ("baseline", False, False), ("remeasure", False, False),
+    ("confirm", False, False), ("recheck", False, False), ("bayes", True, False),
+])
+def test_the_tuner_passes_the_incumbent_only_to_new_configurations(tmp_path, source, measured_before, expect):
+    from autotune.proposers.base import Proposal
+    from autotune.space import TrialConfig
+    from autotune.study import Study
+    from autotune.tuner import Tuner
+
+    study = Study.open(tmp_path / "st", create=True, meta={})
+    try:
+        best = TrialConfig(micro_batch_size=4, gradient_accumulation_steps=8)
+        tid = study.start_trial(0, best, "baseline", "")
+        study.finish_trial(tid, status="ok", samples_per_second=120.0, failure_reason=None, failure_detail=None,
+                           summary=None, rules_fired=[], wall_seconds=1.0)
+        tuner = Tuner(study=study, runner=None, space=None, proposer=object(), baseline=best, display=None,
+                      budget=5)
+        new = best if measured_before else TrialConfig(micro_batch_size=8, gradient_accumulation_steps=4)
+        got = tuner._incumbent(Proposal(config=new, source=source, reason=""))
+        assert got == ((120.0, 0.10) if expect else None)
+    finally:
+        study.close()
