@@ -7,13 +7,15 @@ per trial), and picks a configuration as good as the fresh run's.
     .venv/bin/python benchmarks/trial_cost.py [--budget 20] [--rounds 1] [--repeats 3] [--out DIR]
     .venv/bin/python benchmarks/trial_cost.py --quick    # CI smoke run: 2 ranks, budget 3
 
-Each round runs `autotune run` on the default demo once per mode, the order alternated
-from round to round (fresh, warm; then warm, fresh; ...) so a machine that gets busier
-or quieter during the benchmark does not favour one mode. For every run:
+Each round runs `autotune run` on the default demo once per mode (`--modes OLD NEW`,
+default `before now`: see MODE_ARGS), the order alternated from round to round so a
+machine that gets busier or quieter during the benchmark does not favour one mode. For
+every run:
 - wall: the whole `autotune run` process, start to exit, as a user waits for it;
 - steps: the sum over its trials of the warm-up and measured step seconds (per trial the
   slowest rank's sum, from the per-rank CSVs: ranks step in lock-step);
-- wall / steps, and the speed-up of the whole run (fresh wall / warm wall).
+- wall / steps, the trials run (the budget is a cap now), and the speed-up of the whole
+  run (OLD wall / NEW wall).
 Then the two modes' picks are re-measured alternately `--repeats` times, each in fresh
 processes (the neutral measurement), so "as good" compares like with like.
 """
@@ -36,7 +38,16 @@ from autotune.starting_point import load_base_config
 from autotune.trial import TrialRunner
 
 QUICK_ARGS = ["--dp", "1", "--steps", "2", "--warmup-steps", "1"]
-MODES = ("fresh", "warm")
+MODE_ARGS = {
+    "before": ["--workers", "fresh", "--fixed-steps", "--full-budget"],
+    "fresh": ["--workers", "fresh"],
+    "warm": ["--workers", "warm", "--fixed-steps", "--full-budget"],
+    "now": [],
+}
+"""`before`: how autotune ran before issue 11 (a fresh launch per trial, a fixed step count,
+every trial of the budget); `now`: today's defaults (warm workers, adaptive trial length with
+early stop, the budget as a cap). `fresh` and `warm` isolate one change each."""
+MODES = ("before", "now")
 
 
 def step_seconds(trial_dir: Path) -> float:
@@ -54,17 +65,19 @@ def step_seconds(trial_dir: Path) -> float:
 def run_study(mode: str, folder: Path, budget: int, extra: list[str]) -> dict:
     t0 = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "autotune", "run", "--budget", str(budget), "--study",
-                           str(folder), "--workers", mode, *extra], capture_output=True, text=True)
+                           str(folder), *MODE_ARGS[mode], *extra], capture_output=True, text=True)
     wall = time.monotonic() - t0
     if proc.returncode != 0:
-        raise SystemExit(f"autotune run --workers {mode} failed ({proc.returncode}):\n{proc.stdout[-2000:]}"
+        raise SystemExit(f"autotune run ({mode}: {' '.join(MODE_ARGS[mode])}) failed ({proc.returncode}):\n"
+                         f"{proc.stdout[-2000:]}"
                          f"\n{proc.stderr[-2000:]}")
     summary = json.loads((folder / "summary.json").read_text())
     steps = sum(step_seconds(d) for d in sorted(folder.glob("trial-*")))
     trials_wall = sum(t.get("wall_seconds") or 0.0 for t in summary["trials"])
     best = summary["best"]
     return {"mode": mode, "wall": wall, "steps": steps, "trials_wall": trials_wall, "best": best,
-            "failed": summary["failed_trials"], "fallbacks": proc.stdout.count("fresh processes")}
+            "failed": summary["failed_trials"], "fallbacks": proc.stdout.count("fresh processes"),
+            "trials": len(summary["trials"]), "early": proc.stdout.count("stopped early")}
 
 
 def config_of(best: dict) -> TrialConfig:
@@ -79,8 +92,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=1, help="runs per mode, order alternated")
     ap.add_argument("--repeats", type=int, default=3, help="fresh re-measurements of each mode's pick")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--modes", nargs=2, default=list(MODES), choices=list(MODE_ARGS), metavar="MODE",
+                    help=f"the two ways to run, compared (default: {' '.join(MODES)}; any of {', '.join(MODE_ARGS)})")
     ap.add_argument("--quick", action="store_true", help=f"budget 3, 1 round, 1 repeat, {QUICK_ARGS}")
     args = ap.parse_args(argv)
+    modes = tuple(args.modes)
     extra = QUICK_ARGS if args.quick else []
     if args.quick:
         args.budget, args.rounds, args.repeats = 3, 1, 1
@@ -88,52 +104,55 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     runs: list[dict] = []
     for r in range(args.rounds):
-        for mode in (MODES if r % 2 == 0 else MODES[::-1]):
-            print(f"round {r + 1}: autotune run --budget {args.budget} --workers {mode} {' '.join(extra)}",
+        for mode in (modes if r % 2 == 0 else modes[::-1]):
+            print(f"round {r + 1} ({mode}): autotune run --budget {args.budget} {' '.join(MODE_ARGS[mode] + extra)}",
                   flush=True)
             res = run_study(mode, out / f"{mode}-{r + 1}", args.budget, extra)
             runs.append(res)
             print(f"  wall {res['wall']:.1f} s, steps {res['steps']:.1f} s, ratio {res['wall'] / res['steps']:.2f}x, "
+                  f"{res['trials']} trials ({res['early']} stopped early), "
                   f"best {config_of(res['best']).describe()} {res['best']['samples_per_second']:.1f} samples/s",
                   flush=True)
 
-    print("\n| mode | runs | run wall (s) | step time (s) | wall / steps | trials' wall (s) | failed trials |")
-    print("|---|---|---|---|---|---|---|")
+    print("\n| mode | runs | run wall (s) | step time (s) | wall / steps | trials' wall (s) | failed trials | trials |")
+    print("|---|---|---|---|---|---|---|---|")
     med: dict[str, dict[str, float]] = {}
-    for mode in MODES:
+    for mode in modes:
         mine = [x for x in runs if x["mode"] == mode]
         med[mode] = {k: statistics.median(x[k] for x in mine) for k in ("wall", "steps", "trials_wall")}
         ratio = statistics.median(x["wall"] / x["steps"] for x in mine)
         med[mode]["ratio"] = ratio
         print(f"| {mode} | {len(mine)} | {med[mode]['wall']:.1f} | {med[mode]['steps']:.1f} | {ratio:.2f}x "
-              f"| {med[mode]['trials_wall']:.1f} | {sum(x['failed'] for x in mine)} |")
-    print(f"\nwall / step time: fresh {med['fresh']['ratio']:.2f}x, warm {med['warm']['ratio']:.2f}x (goal <= 2x)")
-    print(f"speed-up of the whole run (fresh wall / warm wall): {med['fresh']['wall'] / med['warm']['wall']:.2f}x")
+              f"| {med[mode]['trials_wall']:.1f} | {sum(x['failed'] for x in mine)} "
+              f"| {statistics.median(x['trials'] for x in mine):g} |")
+    old, new = modes
+    print(f"\nwall / step time: {old} {med[old]['ratio']:.2f}x, {new} {med[new]['ratio']:.2f}x (goal <= 2x)")
+    print(f"speed-up of the whole run ({old} wall / {new} wall): {med[old]['wall'] / med[new]['wall']:.2f}x")
 
     # the picks, re-measured alternately in fresh processes (neutral to the mode under test)
     wl = WorkloadOptions(workers="fresh")
     if args.quick:
         wl.data_parallel_size, wl.steps, wl.warmup_steps = 1, 2, 1
     runner = TrialRunner(wl, load_base_config(RunOptions(workload=wl)))
-    picks = {mode: config_of(next(x for x in runs if x["mode"] == mode)["best"]) for mode in MODES}
-    again: dict[str, list[float]] = {m: [] for m in MODES}
+    picks = {mode: config_of(next(x for x in runs if x["mode"] == mode)["best"]) for mode in modes}
+    again: dict[str, list[float]] = {m: [] for m in modes}
     n = 0
     for _ in range(args.repeats):
-        for mode in MODES:
+        for mode in modes:
             o = runner.run(n, picks[mode], out / "remeasure" / f"trial-{n:03d}", timeout=900)
             again[mode].append(o.result.samples_per_second if o.result.ok else 0.0)
             n += 1
-    for mode in MODES:
+    for mode in modes:
         print(f"{mode} pick: {picks[mode].describe()}: re-measured median "
               f"{statistics.median(again[mode]):.1f} samples/s over {len(again[mode])}")
-    rel = statistics.median(again["warm"]) / max(statistics.median(again["fresh"]), 1e-9)
-    if picks["warm"].key() == picks["fresh"].key():
+    rel = statistics.median(again[new]) / max(statistics.median(again[old]), 1e-9)
+    if picks[new].key() == picks[old].key():
         # one configuration: its two alternated series differ by this machine's noise alone
-        print(f"warm pick / fresh pick: the same configuration (100%); its two re-measured series "
-              f"read {statistics.median(again['warm']):.1f} and {statistics.median(again['fresh']):.1f} "
+        print(f"{new} pick / {old} pick: the same configuration (100%); its two re-measured series "
+              f"read {statistics.median(again[new]):.1f} and {statistics.median(again[old]):.1f} "
               f"({rel:.1%}: noise)")
     else:
-        print(f"warm pick / fresh pick: {rel:.1%}")
+        print(f"{new} pick / {old} pick: {rel:.1%}")
     print(f"(studies in {out})")
     return 0
 
