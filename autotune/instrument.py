@@ -190,7 +190,7 @@ class PipelineProbe:
             data_parallel_size=dp, seq_length=self.seq_length,
             device=str(eng.device) if hasattr(eng, "device") else "cpu", host=self.host,
             optimizer_seconds=optimizer, utilization_from_device=int(from_device),
-            compute_cpu_seconds=work,
+            compute_cpu_seconds=work, memory_capacity_bytes=mem.get("capacity_bytes"),
         )
 
 

@@ -84,6 +84,9 @@ class StepRecord:
     work without the wait for a core (autotune/timing.py ThreadCpuTimer; the optimizer step
     left out, as the stage balance leaves it out). None on CUDA, where compute_seconds is
     already the device's own time, and in CSVs written before the column existed."""
+    memory_capacity_bytes: float | None = None
+    """The device's total memory (CUDA: cudaMemGetInfo's total, else NVML's). None on CPU:
+    the ranks share the host's memory, so no per-device limit is known."""
 
 
 CSV_COLUMNS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(StepRecord))

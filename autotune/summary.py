@@ -174,6 +174,9 @@ class TrialSummary:
     the noise margin (the value is still the trial's measured median)."""
     steps_ended_by: str | None = None
     """Why the measured steps ended: fixed, precision, cap or hopeless (None: not recorded)."""
+    memory_capacity_bytes: float | None = None
+    """The smallest device memory of the trial's ranks (the out-of-memory model's prior
+    limit, autotune/proposers/feasibility.py); None on CPU."""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -195,7 +198,7 @@ SUMMARY_COLUMNS = frozenset({
     "wait_seconds", "device_utilization", "memory_fragmentation_ratio", "loss", "micro_batch_size",
     "gradient_accumulation_steps", "reduce_bucket_size", "pipeline_stages", "data_parallel_size",
     "seq_length", "memory_peak_bytes", "memory_reserved_bytes", "optimizer_seconds",
-    "utilization_from_device", "compute_cpu_seconds",
+    "utilization_from_device", "compute_cpu_seconds", "memory_capacity_bytes",
 })
 """The columns summarize reads; the others are only validated."""
 
@@ -354,6 +357,7 @@ def _summarize_trial(c: Columns, source: str) -> TrialSummary | None:
         memory_fragmentation_ratio=max(frag) if frag else None,
         memory_peak_bytes=_nanmax(m, "memory_peak_bytes"),
         memory_reserved_bytes=_nanmax(m, "memory_reserved_bytes"),
+        memory_capacity_bytes=_nanmin(m, "memory_capacity_bytes"),
         loss_first=float(losses[0]) if losses.size else None,
         loss_last=float(losses[-1]) if losses.size else None,
         ranks=rank_rows,
@@ -362,6 +366,14 @@ def _summarize_trial(c: Columns, source: str) -> TrialSummary | None:
         step_seconds_low=iv.low if iv else None, step_seconds_high=iv.high if iv else None,
         step_seconds_rel_half_width=iv.relative_half_width if iv else None,
     )
+
+
+def _nanmin(m: Columns, name: str) -> float | None:
+    v = m.get(name)
+    if v is None:
+        return None
+    v = v[~np.isnan(v)]
+    return float(v.min()) if v.size else None
 
 
 def _nanmax(m: Columns, name: str) -> float | None:

@@ -18,7 +18,9 @@ analytic and small, but it has the shapes that make tuning hard:
 - memory: static + activations ``mb * max(2, min(p, m))`` micro-batches in
   flight on stage 0 + the bucket buffer (4 bytes x b, as measured on an H200),
   against a limit with per-trial jitter,
-  so out-of-memory is random near the edge;
+  so out-of-memory is random near the edge; trials that report memory also
+  report the device's capacity, of which the limit is `usable_share` (95 %:
+  CUDA context, communication buffers and fragmentation take the rest);
 - 2 % multiplicative noise and 5 % straggler trials (0.6-0.85x).
 
 `Scenario.run()` returns a `TrialResult` carrying a real
@@ -74,6 +76,10 @@ class Scenario:
     """Relative std of the effective memory limit from trial to trial."""
     reports_memory: bool = True
     """False for CPU runs: the summary has no peak memory (the veto must cope)."""
+    reports_capacity: bool = True
+    """With reports_memory: the summary carries the device's capacity (GPU trials do)."""
+    usable_share: float = 0.95
+    """mem_limit_bytes / the device's capacity."""
     noise: float = 0.02
     straggler_rate: float = 0.05
     seq_length: int = 512
@@ -192,6 +198,8 @@ class Scenario:
             slowest_stage=int(np.argmax(stage_comp)), stage_compute_seconds=stage_comp,
             memory_fragmentation_ratio=0.03 if self.reports_memory else None,
             memory_peak_bytes=mem, memory_reserved_bytes=mem * 1.05 if mem else None,
+            memory_capacity_bytes=(self.mem_limit_bytes / self.usable_share
+                                   if self.reports_memory and self.reports_capacity else None),
             loss_first=None, loss_last=None, ranks=ranks)
 
 

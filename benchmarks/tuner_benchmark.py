@@ -4,10 +4,13 @@
     .venv/bin/python -m benchmarks.tuner_benchmark --quick    # a smoke run
     .venv/bin/python -m benchmarks.tuner_benchmark --seed-offset 1000   # development seeds
     .venv/bin/python -m benchmarks.tuner_benchmark --tuners hybrid --cap   # the budget as a cap
+    .venv/bin/python -m benchmarks.tuner_benchmark --tuners hybrid --capacity   # OOM model with/without capacity
 
 `--cap`: every run twice, same seed, with and without the early stop
 (`Proposer.converged`, asked before each trial as `autotune run` does): trials used
 and the final pick's score in both.
+`--capacity`: every run twice, same seed, with and without the device's memory capacity in
+the trials' summaries (the out-of-memory model's prior limit): OOM trials and pick score.
 
 Each run: trial 1 is the scenario's baseline configuration (told to the tuner,
 as `autotune run` does), then the tuner proposes `budget - 1` trials through
@@ -29,7 +32,7 @@ import statistics  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from collections import Counter  # noqa: E402
-from dataclasses import dataclass, field  # noqa: E402
+from dataclasses import dataclass, field, replace  # noqa: E402
 from multiprocessing import Pool  # noqa: E402
 
 from autotune.proposers.history import History  # noqa: E402
@@ -55,6 +58,7 @@ class RunResult:
     sources: Counter = field(default_factory=Counter)
     seconds: float = 0.0
     cap: bool = False
+    capacity: bool = True
     stopped: str | None = None
     """Why the capped run stopped before its budget (None: it ran the budget)."""
 
@@ -67,8 +71,8 @@ _OPTIMA: dict[str, float] = {}
 
 
 def run_one(job: tuple) -> RunResult:
-    tuner, sc_idx, seed, budget, cap = (*job, False)[:5]
-    sc = scenarios()[sc_idx]
+    tuner, sc_idx, seed, budget, cap, capacity = (*job, False, True)[:6]
+    sc = replace(scenarios()[sc_idx], reports_capacity=capacity)
     if sc.name not in _OPTIMA:
         _OPTIMA[sc.name] = sc.optimum()[1]
     opt = _OPTIMA[sc.name]
@@ -76,7 +80,7 @@ def run_one(job: tuple) -> RunResult:
     moves = moves_fn()[0] if tuner == "hybrid" else None
     prop = make_proposer(tuner, sc.space, seed=seed, moves=moves, budget=budget)
     hist = History(sc.space)
-    out = RunResult(tuner=tuner, scenario=sc.name, seed=seed, cap=cap)
+    out = RunResult(tuner=tuner, scenario=sc.name, seed=seed, cap=cap, capacity=capacity)
     t0 = time.perf_counter()
     for t in range(budget):
         if t == 0:
@@ -159,6 +163,21 @@ def cap_table(results: list[RunResult], tuner: str, budget: int) -> str:
     return "\n".join(lines)
 
 
+def capacity_table(results: list[RunResult], tuner: str) -> str:
+    """The same seeds with and without the capacity prior: OOM trials per run and the pick's score."""
+    lines = [f"| scenario ({tuner}) | OOM / run, no capacity | OOM / run, capacity | score, no capacity "
+             "| score, capacity |", "|---|---|---|---|---|"]
+    for name in [sc.name for sc in scenarios()] + ["all"]:
+        rs = [r for r in results if r.tuner == tuner and name in ("all", r.scenario)]
+        off, on = [r for r in rs if not r.capacity], [r for r in rs if r.capacity]
+        if not off or not on:
+            continue
+        lines.append(f"| {name} | {statistics.fmean(r.oom for r in off):.2f} | {statistics.fmean(r.oom for r in on):.2f} "
+                     f"| {statistics.fmean(r.scores[-1] for r in off):.3f} "
+                     f"| {statistics.fmean(r.scores[-1] for r in on):.3f} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seeds", type=int, default=20, help="seeds per scenario (default 20)")
@@ -171,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calibration", action="store_true", help="print the calibration check and exit")
     ap.add_argument("--cap", action="store_true",
                     help="run every seed with and without the early stop (the budget as a cap)")
+    ap.add_argument("--capacity", action="store_true",
+                    help="run every seed with and without the device capacity in the trials' summaries")
     args = ap.parse_args(argv)
     if args.calibration:
         print("| setting | measured | model |\n|---|---|---|")
@@ -186,18 +207,22 @@ def main(argv: list[str] | None = None) -> int:
         print(f"skipped (not installed): {', '.join(skipped)}", file=sys.stderr)
     n_sc = len(scenarios())
     caps = (False, True) if args.cap else (False,)
-    jobs = [(t, i, args.seed_offset + s, args.budget, c) for t in tuners for i in range(n_sc)
-            for s in range(args.seeds) for c in caps]
+    capacities = (False, True) if args.capacity else (True,)
+    jobs = [(t, i, args.seed_offset + s, args.budget, c, m) for t in tuners for i in range(n_sc)
+            for s in range(args.seeds) for c in caps for m in capacities]
     t0 = time.perf_counter()
     if args.workers > 1:
         with Pool(args.workers) as pool:
             results = pool.map(run_one, jobs, chunksize=1)
     else:
         results = [run_one(j) for j in jobs]
-    print(f"{len(jobs)} runs ({n_sc} scenarios x {args.seeds} seeds x {len(tuners)} tuners{' x 2 modes' if args.cap else ''}), budget {args.budget}, "
+    print(f"{len(jobs)} runs ({n_sc} scenarios x {args.seeds} seeds x {len(tuners)} tuners{' x 2 modes' if args.cap or args.capacity else ''}), budget {args.budget}, "
           f"seeds {args.seed_offset}..{args.seed_offset + args.seeds - 1}, {time.perf_counter() - t0:.0f} s; "
           f"hybrid moves: {moves_fn()[1]}\n")
-    full = [r for r in results if not r.cap]
+    if args.capacity:
+        for name in tuners:
+            print(capacity_table(results, name) + "\n")
+    full = [r for r in results if not r.cap and r.capacity]
     print(table(full, tuners, args.budget))
     if args.cap:
         for name in tuners:

@@ -10,7 +10,8 @@ API (all the instrumentation needs)::
     cuda_memory_stats("cuda:0")             # allocator stats dict, or None on CPU
     probe = make_device_probe("cuda:0")     # what autotune.instrument asks once per step:
     probe.utilization(step_seconds)         #   NVML mean over the step, None on CPU
-    probe.memory()                          #   cuda_memory_stats (peak reset per step), None on CPU
+    probe.memory()                          #   cuda_memory_stats (peak reset per step) and
+                                            #   capacity_bytes (device total), None on CPU
 
 Why two samplers: on a GPU, NVML's sample buffer (nvmlDeviceGetSamples,
 about one sample every 1/6 s on recent GPUs) gives high-frequency utilization
@@ -254,6 +255,7 @@ class DeviceProbe:
         self.device = device
         self.sampler = sampler
         self._torch = torch
+        self._capacity: float | None = None
 
     def utilization(self, window: float) -> float | None:
         return self.sampler.utilization(window) if self.sampler is not None else None
@@ -265,7 +267,19 @@ class DeviceProbe:
             if torch is None:
                 import torch
             torch.cuda.reset_peak_memory_stats(self.device)
+            stats["capacity_bytes"] = self.capacity(torch)
         return stats
+
+    def capacity(self, torch: Any) -> float | None:
+        """The device's total memory, read once: cudaMemGetInfo's total (what this process
+        can address, MIG slices included), else NVML's; None when neither answers."""
+        if self._capacity is None:
+            try:
+                self._capacity = float(torch.cuda.mem_get_info(self.device)[1])
+            except Exception:  # noqa: BLE001 - a probe never raises; NVML is the second source
+                mem = self.sampler.memory() if self.sampler is not None else None
+                self._capacity = mem.total_bytes if mem is not None else None
+        return self._capacity
 
     def close(self) -> None:
         if self.sampler is not None:

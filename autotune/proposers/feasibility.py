@@ -21,6 +21,14 @@ Two vetoes, both conservative:
    memory among out-of-memory trials. A config predicted above
    ``limit x (1 - margin)`` is vetoed; `p_ok` gives a smooth probability the
    hybrid uses to weigh its acquisition.
+3. Before any out-of-memory trial (when trials report the device's memory,
+   `memory_capacity_bytes`: GPUs), the limit is ``capacity x (1 - headroom)``
+   (CUDA context, communication buffers and fragmentation take the rest),
+   raised to the largest peak a trial has fitted in (it fitted, so the limit
+   is at least there); an out-of-memory trial then lowers it as in 2. So the
+   regression predicts the cliff before the first trial steps over it. Without
+   a capacity (CPU: the ranks share the host's memory) this prior is absent and
+   the model behaves as 1 and 2 alone.
 Non-memory failures (timeouts, crashes) are not modelled here.
 """
 
@@ -45,8 +53,13 @@ def in_flight(stages: int, gas: int) -> int:
 class FeasibilityModel:
     """Learns where trials run out of memory; vetoes candidates near or past the cliff."""
 
-    def __init__(self, space: SearchSpace, *, margin: float = 0.0, jitter: float = 0.03) -> None:
+    def __init__(self, space: SearchSpace, *, margin: float = 0.0, jitter: float = 0.03,
+                 headroom: float = 0.10) -> None:
         self.space = space
+        self.headroom = headroom
+        """Share of the device's capacity assumed unusable by activations and buckets."""
+        self.capacity: float | None = None
+        """The smallest device memory any trial reported; None when none did (CPU)."""
         self.margin = margin
         """Relative safety distance below the estimated limit."""
         self.jitter = jitter
@@ -65,6 +78,9 @@ class FeasibilityModel:
             if (result.failure_reason or "").lower() in OOM_REASONS:
                 self._oom.append(config)
             return
+        capacity = getattr(result.summary, "memory_capacity_bytes", None)
+        if capacity is not None and capacity > 0:
+            self.capacity = capacity if self.capacity is None else min(self.capacity, capacity)
         peak = getattr(result.summary, "memory_peak_bytes", None)
         if peak is not None and peak > 0:
             self._fits.append((config, float(peak)))
@@ -93,10 +109,15 @@ class FeasibilityModel:
         return None if coef is None else float(np.dot(coef, self._features(cfg)))
 
     def limit(self) -> float | None:
-        """Estimated usable memory: the lowest predicted peak among out-of-memory trials."""
+        """Estimated usable memory: the lowest predicted peak among out-of-memory trials, and
+        before any, ``capacity x (1 - headroom)`` but at least the largest peak that fitted."""
         preds = [self.predicted_memory(c) for c in self._oom]
         preds = [p for p in preds if p is not None]
-        return min(preds) if preds else None
+        from_oom = min(preds) if preds else None
+        if self.capacity is None:
+            return from_oom
+        prior = max([self.capacity * (1 - self.headroom), *(m for _, m in self._fits)])
+        return prior if from_oom is None else min(from_oom, prior)
 
     # ---- decisions --------------------------------------------------------
     def dominated(self, cfg: TrialConfig) -> bool:
