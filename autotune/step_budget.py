@@ -244,6 +244,19 @@ def rank_budget(*, steps: int, warmup_steps: int, adaptive: bool, precision: flo
     return StepBudget(rule=rule, warmup_steps=warmup_steps, reduce_max=reduce_max or torch_reduce_max)
 
 
+def follow_probe(probe: object, budget: StepBudget) -> None:
+    """Feed `budget` every step the probe records (autotune/instrument.py `on_step`), keeping
+    a callback already there."""
+    before = getattr(probe, "on_step", None)
+
+    def on_step(record: object) -> None:
+        budget.observe(record.step_seconds, bool(record.warmup))  # type: ignore[attr-defined]
+        if before is not None:
+            before(record)
+
+    probe.on_step = on_step  # type: ignore[attr-defined]
+
+
 def torch_reduce_max(values: list[float]) -> list[float]:
     """The element-wise max of `values` over the default process group (gloo or NCCL)."""
     import torch

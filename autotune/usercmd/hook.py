@@ -199,14 +199,14 @@ class _RankState:
             attach(self.probe, s.trial_dir)
         if s.mode == MODE_WATCH:
             return  # no step limit: the script's own loop decides when it ends
-        from autotune.step_budget import rank_budget
+        from autotune.step_budget import follow_probe, rank_budget
 
         batch = (int(engine.train_micro_batch_size_per_gpu()) * int(engine.gradient_accumulation_steps())
                  * int(engine.grid.data_parallel_size))
         self.budget = rank_budget(steps=s.steps, warmup_steps=s.warmup_steps, adaptive=s.adaptive_steps,
                                   precision=s.step_precision, cap=max(s.max_steps, s.steps), global_batch=batch,
                                   incumbent_samples_per_second=s.incumbent_samples_per_second, noise=s.noise)
-        self.probe.on_step = lambda r: self.budget.observe(r.step_seconds, bool(r.warmup))
+        follow_probe(self.probe, self.budget)
         measured = engine.train_batch  # the probe's timed train_batch
 
         def train_batch(*args: Any, **kwargs: Any) -> Any:

@@ -75,6 +75,7 @@ def run_trial(spec: TrialSpec, *, release: bool = False) -> TrialRun:
 
     from autotune.faults import inject_rank_fault
     from autotune.instrument import instrument
+    from autotune.step_budget import follow_probe
     from autotune.workload.data import batches, load_token_file, synthetic_tokens
     from autotune.workload.model import build_pipeline_module
     from autotune.workload.presets import get_preset
@@ -127,7 +128,7 @@ def run_trial(spec: TrialSpec, *, release: bool = False) -> TrialRun:
         data = (iter(user_batches(micro, wl.seed + dp_rank)) if user_batches is not None
                 else batches(tokens, micro_batch=micro, seq=preset.seq_length, seed=wl.seed + dp_rank))
         budget = _step_budget(spec, engine)
-        probe.on_step = lambda r: budget.observe(r.step_seconds, bool(r.warmup))  # the CSV's step times
+        follow_probe(probe, budget)  # the CSV's step times
         code = _train(spec, engine, data, rank, losses, inject_rank_fault, budget)
         if code == 0:
             probe.close_sinks()
