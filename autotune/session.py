@@ -63,8 +63,9 @@ def tune(opts: RunOptions, display: ProgressDisplay | None = None, *,
 
     display = display or ProgressDisplay(budget=opts.budget)
     if opts.knobs and not command:
-        raise UserError("--knob maps a model setting to a flag of your own script; the built-in workload's "
-                        "are --partition-method and --activation-checkpoint-interval")
+        from autotune.usercmd.knobs import refuse_for_built_in
+
+        refuse_for_built_in(opts.knobs)  # always raises: one line naming the flag to use
     job = prepare_user_job(opts, command, display.note) if command else None  # sets config, stages, dp
     base, space = prepare(opts, built_in=job is None)
     check_precision(base)  # a precision the devices lack would fail every trial alike

@@ -91,7 +91,7 @@ class HybridProposer:
                  budget: int | None = None, rule_phase: int = 8, rule_bonus: float = 0.5,
                  n_initial_points: int = 3, noise: float = 0.10, remeasure_slots: int = 1,
                  max_rechecks: int = 2, feasibility: FeasibilityModel | None = None,
-                 min_trials: int = 8, stop_ratio: float = 1.0, patience: int = 0) -> None:
+                 min_trials: int = 10, stop_ratio: float = 0.25, patience: int = 5) -> None:
         self.space = space
         self.moves = moves
         self.budget = budget

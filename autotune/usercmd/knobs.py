@@ -88,6 +88,32 @@ def parse_knob(text: str) -> Knob:
     return Knob(name=name, flag=flag, joined=joined, values=values)
 
 
+PRECISION_WORDS = ("precision", "dtype", "fp16", "bf16", "bfloat16", "float16", "half", "amp", "fp8", "fp32")
+"""Knob names read as the training precision (`precision`, `mixed_precision`, `dtype`, `bf16`...)."""
+
+
+def is_precision(name: str) -> bool:
+    return any(w in name.lower() for w in PRECISION_WORDS)
+
+
+def refuse_for_built_in(texts: tuple[str, ...] | list[str]) -> None:
+    """`--knob` without a COMMAND: one UserError naming the flag that does it.
+
+    A precision knob gets its own answer: the built-in workload runs its trials in warm
+    workers, which build every trial's engine in the same processes; DeepSpeed's engine
+    picks its precision's code paths per process (autotune/workers.py starts a new pool when
+    the precision changes), so the precision is the study's, set in its starting config."""
+    for text in texts:
+        name = text.partition("=")[0].partition(":")[0].strip()
+        if is_precision(name):
+            raise UserError(f"--knob {name}: warm workers cannot change the precision between trials (each "
+                            "process keeps its engine's precision); the built-in workload's precision is its "
+                            "starting config's: give --config FILE with bf16.enabled or fp16.enabled true, "
+                            "one study per precision")
+    raise UserError("--knob maps a model setting to a flag of your own script; the built-in workload's "
+                    "are --partition-method and --activation-checkpoint-interval")
+
+
 def parse_knobs(texts: tuple[str, ...] | list[str]) -> list[Knob]:
     knobs = [parse_knob(t) for t in texts]
     names = [k.name for k in knobs]
