@@ -116,7 +116,10 @@ class FeasibilityModel:
         from_oom = min(preds) if preds else None
         if self.capacity is None:
             return from_oom
-        prior = max([self.capacity * (1 - self.headroom), *(m for _, m in self._fits)])
+        # A config that fitted is under the limit, as measured and as the regression sees it
+        # (limits and predictions are compared like with like, as for out-of-memory trials).
+        fits = [max(m, self.predicted_memory(c) or 0.0) for c, m in self._fits]
+        prior = max([self.capacity * (1 - self.headroom), *fits])
         return prior if from_oom is None else min(from_oom, prior)
 
     # ---- decisions --------------------------------------------------------
