@@ -6,7 +6,8 @@ marked `interrupted`, its leftover processes are stopped (by the process group
 stored in the study, and by the trial's path on their command lines), and its
 configuration is run again first under the same trial number. Interrupted
 trials never count toward the budget, so a resumed study ends with exactly
-`budget` counted trials.
+`budget` counted trials, or fewer when the search converged first (the budget is
+a cap: autotune/search_stop.py; `--full-budget` runs them all).
 
 Ctrl-C (SIGINT) and SIGTERM stop the running trial's whole process group,
 mark it interrupted, write the best configuration so far and return with

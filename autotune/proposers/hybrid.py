@@ -31,8 +31,9 @@ first ten on random ones and on the memory cliff. So:
    choice is not a lucky draw. A re-measure is the one deliberate repeat;
    its source is "remeasure".
 5. The budget is a cap (`converged`, autotune/proposers/convergence.py): after
-   `min_trials` told trials and the rule phase, once the best constrained
-   expected improvement of any candidate is below `stop_ratio x noise`, the
+   `min_trials` told trials and the rule phase, with the incumbent unchanged for
+   `patience` trials, once the best constrained expected improvement of any
+   candidate is below `stop_ratio x noise`, the
    proposer says the search has converged, but only after the re-measurement
    (and near-cliff confirmation) the final choice needs: while one is owed,
    `converged` returns None and the next `ask` is that re-measurement.
