@@ -107,7 +107,7 @@ class StageBalancer:
 
     # -- the decision ------------------------------------------------------------------------
     def _plan(self, number: int, config: TrialConfig, summary: Any) -> None:
-        from autotune.layer_costs import read_trial_layer_costs
+        from autotune.layer_costs import memory_model, read_trial_layer_costs
         from autotune.partition import balanced_parts, describe_moves, imbalance, stage_times
 
         measured = work_imbalance(summary)
@@ -123,7 +123,13 @@ class StageBalancer:
         if lc is None:
             self.note(f"      partition: trial {number} wrote no layer costs; the partition stays as it is")
             return
-        parts = balanced_parts(lc.costs, lc.stages, stage_fixed=lc.stage_fixed_seconds)
+        memory = memory_model(lc, getattr(summary, "memory_capacity_bytes", None))
+        try:  # on a GPU each stage must also fit the device (1F1B's activations in flight included)
+            parts = balanced_parts(lc.costs, lc.stages, stage_fixed=lc.stage_fixed_seconds, memory=memory)
+        except UserError as exc:
+            self.note(f"      partition: {exc}; the partition stays as it is")
+            self._write(decision="no partition fits the device's memory")
+            return
         after = stage_times(lc.costs, parts, lc.stage_fixed_seconds)
         moved = describe_moves(lc.parts, parts, lc.names)
         if "measured_parts" not in self.info:

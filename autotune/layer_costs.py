@@ -28,6 +28,8 @@ the backward and count in both.
 from __future__ import annotations
 
 import csv
+import dataclasses
+import math
 import resource
 import statistics
 from collections import defaultdict
@@ -331,3 +333,32 @@ def read_trial_layer_costs(trial_dir: str | Path) -> LayerCosts | None:
     """The layer costs of a trial folder, or None where it has none."""
     files = sorted(Path(trial_dir).glob(FILE_GLOB))
     return read_layer_costs(files) if files else None
+
+
+STATE_BYTES_PER_PARAMETER = 16
+"""Weights, gradients and Adam's two moments: 4 + 4 + 8 bytes in fp32; mixed precision holds
+about the same (2 + 2 bytes of half weights and gradients, a 4-byte master copy, 8 of moments)."""
+HEADROOM = 0.10
+"""The share of the device's memory a partition leaves free (the allocator's fragmentation,
+workspace), as the out-of-memory model does (autotune/proposers/feasibility.py)."""
+
+
+def memory_model(lc: LayerCosts, capacity_bytes: float | None, *, headroom: float = HEADROOM) -> Any:
+    """The per-stage memory limit for the partition solver, from a trial's layer costs and the
+    device's capacity; None where memory cannot be modelled honestly (no capacity: a CPU; or
+    peaks that are not the CUDA allocator's, such as a CPU process's resident set).
+
+    Each stage's bytes outside the modelled layer state (context, buffers, the loss's logits)
+    are what its measured peak holds beyond the model of its measured layers; they stay with
+    the stage whatever layers move."""
+    from autotune.partition import MemoryModel, stage_memory
+
+    if not capacity_bytes or lc.peak_memory_kind != "cuda_max_allocated":
+        return None
+    layers = MemoryModel(limit_bytes=math.inf,
+                         parameter_bytes=[p * STATE_BYTES_PER_PARAMETER for p in lc.parameters],
+                         activation_bytes=[float(a) for a in lc.activation_bytes],
+                         micro_batches=lc.gradient_accumulation_steps)
+    modelled = stage_memory(lc.parts, layers)
+    fixed = [max(0.0, peak - m) for peak, m in zip(lc.stage_peak_memory_bytes, modelled, strict=True)]
+    return dataclasses.replace(layers, limit_bytes=float(capacity_bytes) * (1 - headroom), stage_fixed_bytes=fixed)

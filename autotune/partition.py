@@ -36,6 +36,9 @@ class MemoryModel:
     """Per layer: bytes autograd keeps for backward, per micro-batch."""
     micro_batches: int = 1_000_000
     """Micro-batches per step (GAS): caps the activations in flight."""
+    stage_fixed_bytes: Sequence[float] = ()
+    """Per stage: bytes it holds whatever its layers (the CUDA context, the engine's buffers,
+    the loss's logits on the last stage); empty: none."""
 
 
 def in_flight(stages: int, stage_id: int, micro_batches: int) -> int:
@@ -51,7 +54,8 @@ def stage_memory(parts: Sequence[int], memory: MemoryModel) -> list[float]:
         lo, hi = parts[s], parts[s + 1]
         params = sum(memory.parameter_bytes[lo:hi])
         acts = sum(memory.activation_bytes[lo:hi])
-        out.append(params + acts * in_flight(stages, s, memory.micro_batches))
+        fixed = float(memory.stage_fixed_bytes[s]) if memory.stage_fixed_bytes else 0.0
+        out.append(params + acts * in_flight(stages, s, memory.micro_batches) + fixed)
     return out
 
 
@@ -112,6 +116,8 @@ def balanced_parts(costs: Sequence[float], stages: int, *, memory: MemoryModel |
     if memory is not None and (len(memory.parameter_bytes) != n or len(memory.activation_bytes) != n):
         raise UserError(f"memory model has {len(memory.parameter_bytes)}/{len(memory.activation_bytes)} "
                         f"layers, the costs {n}")
+    if memory is not None and memory.stage_fixed_bytes and len(memory.stage_fixed_bytes) != stages:
+        raise UserError(f"{len(memory.stage_fixed_bytes)} fixed stage memories for {stages} stages")
     fixed = [float(f) for f in stage_fixed] if stage_fixed is not None else [0.0] * stages
     if len(fixed) != stages:
         raise UserError(f"{len(fixed)} fixed stage costs for {stages} stages")
@@ -128,6 +134,8 @@ def balanced_parts(costs: Sequence[float], stages: int, *, memory: MemoryModel |
         if memory is None:
             return True
         need = (pprefix[hi] - pprefix[lo]) + (aprefix[hi] - aprefix[lo]) * in_flight(stages, s, memory.micro_batches)
+        if memory.stage_fixed_bytes:
+            need += float(memory.stage_fixed_bytes[s])
         return need <= memory.limit_bytes
 
     inf = (math.inf, math.inf)

@@ -20,13 +20,14 @@ from autotune.trial import TrialRunner
 CFG = TrialConfig(micro_batch_size=2, gradient_accumulation_steps=4)
 
 
-def _costs(folder, parts, costs):
+def _costs(folder, parts, costs, *, activation=1, peaks=None, kind="process_max_rss"):
     folder.mkdir(parents=True)
     for s in range(len(parts) - 1):
         rows = [{"rank": s, "stage": s, "stages": len(parts) - 1, "layer": i, "name": f"L{i}",
                  "forward_seconds": costs[i] / 2, "backward_seconds": costs[i] / 2, "parameters": 1,
-                 "activation_bytes": 1, "stage_overhead_seconds": 0.0, "stage_peak_memory_bytes": 1.0,
-                 "peak_memory_kind": "process_max_rss", "micro_batch_size": 2, "gradient_accumulation_steps": 4,
+                 "activation_bytes": activation, "stage_overhead_seconds": 0.0,
+                 "stage_peak_memory_bytes": peaks[s] if peaks else 1.0,
+                 "peak_memory_kind": kind, "micro_batch_size": 2, "gradient_accumulation_steps": 4,
                  "steps": 2} for i in range(parts[s], parts[s + 1])]
         (folder / f"layer-costs-rank{s}.csv").write_text(rows_to_csv(rows))
 
@@ -115,3 +116,29 @@ def test_a_resume_rebuilds_the_decision_from_the_study(tmp_path):
     half = StageBalancer(_runner(), tmp_path, note=lambda _: None)
     half.replay([row(0, "baseline", 10.0)], [])
     assert half.next_proposal().source == SOURCE  # baseline done, partition trial not yet
+
+
+def _gpu_baseline(tmp_path, capacity):
+    """Stage 0 of [0, 3, 6] holds 2 micro-batches of activations in flight (1F1B, 2 stages):
+    3 x 1 GB x 2 + 1 GB of its own (measured peak 7 GB); stage 1 3 x 1 GB + 1 GB (4 GB)."""
+    _costs(tmp_path / "trial-000", [0, 3, 6], [1, 1, 1, 1, 1, 4], activation=10**9,
+           peaks=[7e9 + 48, 4e9 + 48], kind="cuda_max_allocated")
+    notes: list[str] = []
+    b = StageBalancer(_runner(), tmp_path, note=notes.append)
+    b.after(0, Proposal(config=CFG, source="baseline"), True, 10.0,
+            healthy_summary(stage_compute_imbalance=1.4, slowest_stage=1, memory_capacity_bytes=capacity))
+    return b, notes, json.loads((tmp_path / "partition.json").read_text())
+
+
+def test_on_a_gpu_the_partition_must_fit_the_devices_memory(tmp_path):
+    # Unconstrained, layer 3 moves to stage 0 ([0, 4, 6]): 4 x 2 GB + 1 GB = 9 GB there.
+    b, _, _ = _gpu_baseline(tmp_path / "roomy", capacity=20e9)
+    assert b.next_proposal().reason.count("[0, 4, 6]") == 1
+    # With 8.5 GB (7.65 GB usable) it does not fit, and nothing faster that fits exists.
+    b, _, decision = _gpu_baseline(tmp_path / "tight", capacity=8.5e9)
+    assert b.next_proposal() is None and decision["decision"] == "no better contiguous partition"
+    # Below the measured layout's own need nothing fits: said, and the partition stays.
+    b, notes, decision = _gpu_baseline(tmp_path / "none", capacity=4e9)
+    assert b.next_proposal() is None and decision["decision"] == "no partition fits the device's memory"
+    assert any("fits" in n for n in notes)
+
