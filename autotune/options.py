@@ -64,7 +64,7 @@ class WorkloadOptions:
                                    "step time's 95 % interval at which a trial stops (0.03 = +-3 %).",
                                    lo=0, hi=0.5, group="workload", cli_type=float)
     max_steps: int | None = option(None, "With --adaptive-steps: the most measured steps per trial "
-                                   "(default: 3 x --steps).", lo=1, hi=300_000, unit="steps", group="workload")
+                                   "(default: 2 x --steps).", lo=1, hi=300_000, unit="steps", group="workload")
     partition_method: str = option("parameters", "PipelineModule partition: parameters, uniform, type:REGEX "
                                    "or explicit boundaries parts:0,5,12 (docs/partition.md).", group="workload")
     layer_costs: bool = option(False, "Time every layer's forward and backward in every trial "

@@ -35,8 +35,10 @@ from dataclasses import dataclass, field
 CONFIDENCE = 0.95
 DEFAULT_PRECISION = 0.03
 """Relative half-width of the median's interval at which a trial stops: +-3 %."""
-CAP_FACTOR = 3
-"""The step cap by default: this many times the minimum (--steps)."""
+CAP_FACTOR = 2
+"""The step cap by default: this many times the minimum (--steps). Two, not more: on the shared
+2-core machines a trial's steps spread +-14-17 % (docs/trial-length.md), so +-3 % is rarely reached
+and the cap decides; between-launch spread is larger still, so longer trials buy little there."""
 EXACT_UP_TO = 1000
 """Exact binomial sums up to this many steps; the normal approximation above."""
 RECORD_NAME = "step-budget.json"
