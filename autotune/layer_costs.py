@@ -339,8 +339,10 @@ STATE_BYTES_PER_PARAMETER = 16
 """Weights, gradients and Adam's two moments: 4 + 4 + 8 bytes in fp32; mixed precision holds
 about the same (2 + 2 bytes of half weights and gradients, a 4-byte master copy, 8 of moments)."""
 HEADROOM = 0.10
-"""The share of the device's memory a partition leaves free (the allocator's fragmentation,
-workspace), as the out-of-memory model does (autotune/proposers/feasibility.py)."""
+"""The share of the device's memory a partition leaves free: the allocator's fragmentation and
+workspaces, and the model's own error (16 bytes per parameter is an estimate). The out-of-memory
+model needs none (autotune/proposers/feasibility.py): it compares measured peaks with the
+capacity, not a model of the layers."""
 
 
 def memory_model(lc: LayerCosts, capacity_bytes: float | None, *, headroom: float = HEADROOM) -> Any:
