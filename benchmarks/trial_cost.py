@@ -77,7 +77,7 @@ def run_study(mode: str, folder: Path, budget: int, extra: list[str]) -> dict:
     best = summary["best"]
     return {"mode": mode, "wall": wall, "steps": steps, "trials_wall": trials_wall, "best": best,
             "failed": summary["failed_trials"], "fallbacks": proc.stdout.count("fresh processes"),
-            "trials": len(summary["trials"]), "early": proc.stdout.count("stopped early")}
+            "trials": len(summary["trials"]), "early": proc.stdout.count("stopped early: ")}  # the note, once per trial
 
 
 def config_of(best: dict) -> TrialConfig:
