@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -369,19 +370,20 @@ def _summarize_trial(c: Columns, source: str) -> TrialSummary | None:
 
 
 def _nanmin(m: Columns, name: str) -> float | None:
-    v = m.get(name)
-    if v is None:
-        return None
-    v = v[~np.isnan(v)]
-    return float(v.min()) if v.size else None
+    return _nan_reduce(m, name, np.min)
 
 
 def _nanmax(m: Columns, name: str) -> float | None:
+    return _nan_reduce(m, name, np.max)
+
+
+def _nan_reduce(m: Columns, name: str, reduce: Callable[[np.ndarray], Any]) -> float | None:
+    """`reduce` over a column's recorded cells; None when the column is absent or all empty."""
     v = m.get(name)
     if v is None:
         return None
     v = v[~np.isnan(v)]
-    return float(v.max()) if v.size else None
+    return float(reduce(v)) if v.size else None
 
 
 def _stage_work(m: dict, rinv: np.ndarray, rank_stage: np.ndarray, stage_ids: list[int],
