@@ -275,8 +275,8 @@ def test_users_script_on_two_nodes_through_autotunes_hostfile(tmp_path, two_node
     command = ["deepspeed", str(REPO / "examples" / "pipeline_train.py"), "--deepspeed_config",
                str(REPO / "examples" / "ds_config.json"), "--steps", "100000", "--save-dir", "ckpt"]
     r = subprocess.run([sys.executable, "-m", "autotune", "run", "--budget", "1", "--study", "st",
-                        "--steps", "2", "--warmup-steps", "1", "--trial-timeout", "400", "--hostfile", hf,
-                        "--master_addr", "127.0.0.1", "--", *command],
+                        "--steps", "2", "--warmup-steps", "1", "--fixed-steps", "--trial-timeout", "400",
+                        "--hostfile", hf, "--master_addr", "127.0.0.1", "--", *command],
                        cwd=tmp_path, capture_output=True, text=True, env=env, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "nodes: localhost:1, 127.0.0.1:1 (multi-node through pdsh)" in r.stdout + r.stderr
