@@ -81,7 +81,7 @@ class StepRecord:
     Empty in CSVs written before the column existed."""
     compute_cpu_seconds: float | None = None
     """CPU devices: thread CPU seconds of the forward and backward instructions, the stage's
-    work without the wait for a core (autotune/timing.py ThreadCpuTimer; the optimizer step
+    work without the wait for a core (autotune/timing.py WallAndCpuTimer; the optimizer step
     left out, as the stage balance leaves it out). None on CUDA, where compute_seconds is
     already the device's own time, and in CSVs written before the column existed."""
     memory_capacity_bytes: float | None = None

@@ -1,7 +1,7 @@
 """Interval timers for pipeline instructions: host clock on CPU, CUDA events on GPUs.
 
 On a CPU every interval is also timed in the calling thread's CPU seconds (its work,
-without the wait for a core: see ThreadCpuTimer).
+without the wait for a core: see WallAndCpuTimer).
 
 On a GPU, kernels run asynchronously: a host clock around an instruction
 measures launch time, not execution. CUDA events record on the stream and are
@@ -74,27 +74,17 @@ class CudaEventTimer:
         return dict(acc)
 
 
-class ThreadCpuTimer(HostTimer):
-    """CPU seconds of the calling thread: the work an interval did, not its wall time.
-
-    On a CPU with fewer cores than ranks (the 4-rank demo on 2 cores) an interval's
-    wall time includes waiting for a core, and that wait depends on what the other
-    ranks do at that moment, not on the interval's own work (identical decoder layers
-    read 40-90 ms of wall time in one trial, 38-47 ms of thread CPU time). Torch runs a
-    rank's kernels on the calling thread with one intra-op thread (the workload's
-    default), so this is the rank's compute. On a GPU the CUDA events already measure
-    the device's own time.
-    """
-
-    def begin(self) -> float:
-        return time.thread_time()
-
-    def end(self, token: float, category: str) -> None:
-        self._acc[category] += time.thread_time() - token
-
-
 class WallAndCpuTimer(HostTimer):
-    """The host clock, plus each interval's thread CPU time under `<category>:cpu`."""
+    """The host clock, plus each interval's thread CPU time under `<category>:cpu`.
+
+    The CPU time is the work an interval did, not its wall time. On a CPU with fewer cores
+    than ranks (the 4-rank demo on 2 cores) an interval's wall time includes waiting for a
+    core, and that wait depends on what the other ranks do at that moment, not on the
+    interval's own work (identical decoder layers read 40-90 ms of wall time in one trial,
+    38-47 ms of thread CPU time). Torch runs a rank's kernels on the calling thread with one
+    intra-op thread (the workload's default), so this is the rank's compute. On a GPU the
+    CUDA events already measure the device's own time.
+    """
 
     def begin(self) -> tuple[float, float]:  # type: ignore[override]
         return time.perf_counter(), time.thread_time()
