@@ -75,6 +75,8 @@ def test_partition_balance(tmp_path):
     out = run([sys.executable, "benchmarks/partition_balance.py", "--quick", "--out", str(tmp_path)], timeout=900)
     figure(out, r"2 stages: balanced imbalance ([\d.]+)", 0.9, 10)
     figure(out, r"throughput vs best built-in ([\d.]+)x", 0.05, 20)
+    assert "mode: warm workers" in out, out[-2000:]  # the default: every partition in one pool
+    figure(out, r"per round: median ([\d.]+)", 0.05, 20)
 
 
 def test_instrumentation_overhead():
