@@ -17,8 +17,19 @@ decision, taken once:
    candidate, up to `MAX_ROUNDS` partition trials.
 
 The decision is written to `STUDY/partition.json` (the parts, both throughputs, which
-layers moved) and rebuilt from the study's trial folders on resume, so a resumed study
-takes the same decision without re-measuring.
+layers moved, what to write in the user's own code) and rebuilt from the study's trial
+folders on resume, so a resumed study takes the same decision without re-measuring.
+
+The partition trial runs the baseline's TrialConfig, so the study's history key
+(micro-batch, GAS, bucket) cannot tell the two apart. Left alone, `Study.best()` averaged
+them as two runs of one configuration (a rejected partition dragged the baseline's mean
+down and was named the best trial; a kept one was averaged with the partition it
+replaced), and the proposer was told a failed partition trial as a failure of the
+baseline configuration (which drops it from the proposer's means and teaches the
+memory model a false failure). `superseded()` names the trials whose measurement does
+not hold for the partition the study runs from then on; `Study.best()`, the report and
+the tuner's proposer leave them out, and the tuner tells the proposer the baseline's key
+once, with the measurement that holds, after the decision (`deciding`).
 """
 
 from __future__ import annotations
@@ -49,6 +60,93 @@ def work_imbalance(summary: Any) -> float:
     return float(work if work is not None else summary.stage_compute_imbalance)
 
 
+def superseded(trials: list[Any]) -> set[int]:
+    """Numbers of the trials whose measurement does not hold for the study's partition.
+
+    From the trial rows alone (number, source, status, samples_per_second), with the rule
+    `_decide` applies: a partition trial is kept when it succeeds faster than the
+    measurement it would replace (the baseline's, or an earlier kept round's). Superseded:
+    every partition trial not kept (failed ones too: the failure belongs to the parts, not
+    to the configuration) and, once one is kept, the measurement it replaced. Only the
+    baseline and partition trials can be; every other trial runs the partition in force.
+    """
+    out: set[int] = set()
+    current: Any = None
+    for t in sorted((t for t in trials if t.source in ("baseline", SOURCE) and t.status in ("ok", "failed")),
+                    key=lambda t: t.number):
+        if t.source == "baseline":
+            current = t if t.status == "ok" else None
+            continue
+        best = float(current.samples_per_second or 0.0) if current is not None else None
+        if best is not None and t.status == "ok" and t.samples_per_second is not None and t.samples_per_second > best:
+            out.add(current.number)
+            current = t
+        else:
+            out.add(t.number)
+    return out
+
+
+def builtin_equivalent(parts: list[int], costs: list[float], parameters: list[int],
+                       stage_fixed: list[float] | None = None, *, tolerance: float = 0.02) -> dict[str, Any]:
+    """What a user writes to keep `parts`: a built-in partition_method when its parts are
+    predicted as good (slowest stage within `tolerance`), else the parts list itself.
+
+    The built-in parts are DeepSpeed's own functions on the measured layers (`uniform`: the
+    layer count; `parameters`: each layer's parameter count, as `_count_layer_params`).
+    `type:REGEX` balances a count of matching layers and is not tried."""
+    from deepspeed.runtime.utils import partition_balanced, partition_uniform
+
+    from autotune.partition import imbalance, stage_times
+
+    stages = len(parts) - 1
+    best = max(stage_times(costs, parts, stage_fixed))
+    builtin = {"uniform": [int(p) for p in partition_uniform(num_items=len(costs), num_parts=stages)],
+               "parameters": [int(p) for p in partition_balanced(weights=parameters, num_parts=stages)]}
+    predicted = {m: imbalance(stage_times(costs, p, stage_fixed)) for m, p in builtin.items()}
+    same = [m for m, p in builtin.items()
+            if max(stage_times(costs, p, stage_fixed)) <= best * (1 + tolerance)]
+    if same:
+        m = same[0]
+        text = (f"partition_method='{m}' builds {builtin[m]}, predicted as good as {list(parts)}: "
+                f"use PipelineModule(..., partition_method='{m}')")
+    else:
+        nearest = min(predicted, key=predicted.__getitem__)
+        text = (f"no built-in method builds it (nearest: '{nearest}' {builtin[nearest]}, predicted imbalance "
+                f"{predicted[nearest]:.2f}): set PARTS = {list(parts)} in the PipelineModule subclass of "
+                "docs/partition.md (\"Keeping the result in your own code\")")
+    return {"method": same[0] if same else None, "parts": list(parts), "builtin_parts": builtin,
+            "builtin_predicted_imbalance": predicted, "text": text}
+
+
+def read_result(study_root: str | Path) -> dict[str, Any] | None:
+    """partition.json of a study (None: no partition step ran, or the file is unreadable)."""
+    try:
+        info = json.loads((Path(study_root) / RESULT_NAME).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return info if isinstance(info, dict) else None
+
+
+def describe_result(info: dict[str, Any] | None) -> str | None:
+    """One line for the end of a run and report.md: the decision and what to write in the code."""
+    if not info or not info.get("rounds"):
+        return None
+    if info.get("parts") is not None:
+        last = next(r for r in reversed(info["rounds"]) if r.get("kept"))
+        code = (info.get("in_your_code") or {}).get("text") or f"PARTS = {info['parts']} (docs/partition.md)"
+        return (f"partition: parts {info['parts']} kept (trial {last.get('trial')}, work imbalance "
+                f"{info.get('measured_imbalance', 0):.2f} -> {last.get('measured_imbalance') or 0:.2f}, "
+                f"{info.get('baseline_samples_per_second') or 0:.1f} -> {info.get('kept_samples_per_second') or 0:.1f}"
+                f" samples/s); the best configuration needs it: {code}")
+    tried = info["rounds"][-1]
+    if tried.get("trial") is None:
+        return None
+    return (f"partition: parts {tried['parts']} measured {tried.get('samples_per_second') or 0:.1f} against "
+            f"{info.get('baseline_samples_per_second') or 0:.1f} samples/s (work imbalance "
+            f"{info.get('measured_imbalance', 0):.2f} -> {tried.get('measured_imbalance') or 0:.2f}); not kept: "
+            f"{info.get('method', 'the script')} partition stays, nothing to change in the code")
+
+
 def _slowest(summary: Any) -> int:
     work = getattr(summary, "stage_work_seconds", None)
     return int(max(range(len(work)), key=work.__getitem__)) if work else int(summary.slowest_stage)
@@ -74,6 +172,13 @@ class StageBalancer:
         """samples/s of the trial whose partition is kept (the baseline's at first)."""
         self.rounds = 0
         self.info: dict[str, Any] = {"rounds": []}
+        self.layers: tuple[list[float], list[int], list[float]] | None = None
+        """(costs, parameters, stage fixed seconds) the last plan was made from: what `builtin_equivalent` compares."""
+
+    @property
+    def deciding(self) -> bool:
+        """A partition trial is planned or running: the baseline's key has no final measurement yet."""
+        return self.pending is not None or self.candidate is not None
 
     # -- around each trial ------------------------------------------------------------------
     def before(self, number: int, proposal: Proposal) -> None:
@@ -135,6 +240,7 @@ class StageBalancer:
         if "measured_parts" not in self.info:
             self.info.update(measured_parts=lc.parts, measured_imbalance=measured,
                              slowest_stage=_slowest(summary))
+        self.layers = (lc.costs, lc.parameters, lc.stage_fixed_seconds)
         if parts == lc.parts:
             if not self.rounds:
                 self._write(decision="no better contiguous partition")
@@ -154,14 +260,16 @@ class StageBalancer:
         self.rounds += 1
         parts, self.candidate = self.candidate, None
         sps = float(samples_per_second or 0.0)
-        faster = bool(ok and samples_per_second is not None and sps > self.best)
+        current_best = self.best
+        faster = bool(ok and samples_per_second is not None and sps > self.best)  # as superseded() judges
         current = self.info["rounds"][-1]
         current.update(trial=number, samples_per_second=samples_per_second, kept=faster,
                        measured_imbalance=work_imbalance(summary) if summary is not None else None)
         if faster:
-            self.note(f"      partition: parts {parts} kept for the later trials ({sps:.1f} against "
-                      f"{self.best:.1f} samples/s)")
             self.kept, self.best = parts, sps
+            code = self._in_your_code(parts)
+            self.note(f"      partition: parts {parts} kept for the later trials ({sps:.1f} against "
+                      f"{current_best:.1f} samples/s); in your own code: {code}")
         else:
             keep = self.kept if self.kept is not None else self.method
             self.note(f"      partition: parts {parts} measured {sps:.1f} samples/s against {self.best:.1f}; "
@@ -171,6 +279,14 @@ class StageBalancer:
         if (faster and summary is not None and work_imbalance(summary) > THRESHOLD
                 and self.rounds < MAX_ROUNDS):
             self._plan(number, config, summary)  # still unbalanced: one more round from its own costs
+
+    def _in_your_code(self, parts: list[int]) -> str:
+        if self.layers is None:
+            return f"PARTS = {parts} (docs/partition.md)"
+        costs, parameters, fixed = self.layers
+        advice = builtin_equivalent(parts, costs, parameters, fixed)
+        self.info["in_your_code"] = advice
+        return advice["text"]
 
     def _write(self, **fields: Any) -> None:
         self.info.update(fields)

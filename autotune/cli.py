@@ -80,6 +80,11 @@ def _print_outcome(summary: dict, study: str) -> None:
     if base and base.get("samples_per_second") and summary.get("speedup_over_baseline"):
         click.echo(f"baseline: {base['samples_per_second']:.1f} samples/s; "
                    f"speed-up {summary['speedup_over_baseline']:.2f}x")
+    from autotune.balance import describe_result
+
+    partition = describe_result(summary.get("partition"))  # --balance-stages: what the code needs
+    if partition:
+        click.echo(partition)
     click.echo(f"wrote {study}/best_ds_config.json, {study}/summary.json, {study}/report.md")
 
 

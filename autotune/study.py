@@ -271,11 +271,17 @@ class Study:
         Configurations measured more than once (the tuner re-measures close
         contenders) are judged by their mean, not by their luckiest run. The row
         returned is that configuration's latest trial, carrying the mean and the
-        number of measurements in `repeats`.
+        number of measurements in `repeats`. Trials whose measurement no longer holds
+        (a partition trial not kept, or the run a kept one replaced: autotune/balance.py
+        `superseded`) share their configuration's key and are left out.
         """
+        from autotune.balance import superseded
+
+        trials = self.trials()
+        stale = superseded(trials)
         by_config: dict[tuple, list[TrialRow]] = {}
-        for t in self.trials():
-            if t.status == STATUS_OK and t.samples_per_second:
+        for t in trials:
+            if t.status == STATUS_OK and t.samples_per_second and t.number not in stale:
                 by_config.setdefault(t.config.key(), []).append(t)
         if not by_config:
             return None

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from autotune.balance import describe_result, read_result
 from autotune.fileio import write_atomic
 from autotune.study import STATUS_OK, Study, TrialRow
 
@@ -47,6 +48,7 @@ def study_results(study: Study) -> dict[str, Any]:
         "best": ({**trial_entry(best), "measurements": best.repeats} if best else None),
         "speedup_over_baseline": speedup,
         "stopped": study.get_meta_json("stopped"),  # before the budget: why (autotune/search_stop.py)
+        "partition": read_result(study.root),  # --balance-stages: the parts the best needs (autotune/balance.py)
     }
 
 
@@ -71,6 +73,9 @@ def render_markdown(summary: dict[str, Any]) -> str:
         lines.append(f"Baseline (trial 0): {base['samples_per_second']:.1f} samples/s.")
     if summary["speedup_over_baseline"]:
         lines.append(f"Speed-up over the baseline: {summary['speedup_over_baseline']:.2f}x.")
+    partition = describe_result(summary.get("partition"))
+    if partition:
+        lines.append(partition[0].upper() + partition[1:] + ".")
     if summary.get("stopped"):
         st = summary["stopped"]
         lines.append(f"Stopped after {st['trials']} of {st['budget']} trials: {st['reason']}.")

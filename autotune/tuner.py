@@ -99,6 +99,9 @@ class Tuner:
         self.stop_early = stop_early
         """The budget as a cap: stop once the proposer says the search has converged
         (autotune/search_stop.py); False with --full-budget."""
+        self._held: dict[int, tuple[TrialConfig, TrialResult]] = {}
+        """Results not told to the proposer yet: held while the partition step decides which
+        of the baseline's key's measurements holds (autotune/balance.py `superseded`)."""
 
     # -- the loop -------------------------------------------------------------
     def run(self) -> TuneResult:
@@ -120,6 +123,7 @@ class Tuner:
                                   "stopped; the study is consistent and the best configuration so far "
                                   "is written. Resume with --resume.")
                 return TuneResult(summary=summary, interrupted=True, exit_code=128 + int(signum))
+        getattr(self.runner, "begin_close", lambda: None)()  # the ranks exit while the outputs are written
         summary = self._write()
         from autotune.report_html import at_end_of_run
 
@@ -145,8 +149,6 @@ class Tuner:
             # `running`, so the next resume cleans up after it again (buffers included).
             self.study.interrupt(t.id)
         finished = self.study.counted()
-        for t in finished:
-            self.proposer.tell(t.config, _result_from_row(t))
         if finished or left:
             self.display.note(f"resuming: {len(finished)} finished trial(s) kept, "
                               f"{len(left)} interrupted trial(s) will be run again")
@@ -154,6 +156,9 @@ class Tuner:
         interrupted = [t for t in self.study.trials() if t.status == STATUS_INTERRUPTED]
         if self.balancer is not None:
             self.balancer.replay(finished, [t for t in interrupted if t.number not in done])
+        for t in finished:  # after the replay: told as an uninterrupted run told them
+            self._held[t.number] = (t.config, _result_from_row(t))
+        self._tell_settled()
         redo, seen = [], set()
         for t in interrupted:
             if t.number not in done and t.number not in seen:
@@ -232,10 +237,11 @@ class Tuner:
             rules_fired=fired, wall_seconds=outcome.wall_seconds,
         )
         crash_point("after-finish", number)
-        self.proposer.tell(cfg, outcome.result)
         if self.balancer is not None:
             self.balancer.after(number, proposal, outcome.result.ok, outcome.result.samples_per_second,
                                 outcome.summary)
+        self._held[number] = (cfg, outcome.result)
+        self._tell_settled()
         best = self.study.best()
         is_best = best is not None and best.number == number and outcome.result.ok
         self.display.trial_row(number, cfg, proposal.source, outcome.result.status, outcome.summary,
@@ -254,6 +260,23 @@ class Tuner:
             self.exporter.trial_finished(number, cfg, outcome.result.status,
                                          outcome.result.samples_per_second, outcome.summary, fired)
         self._write()
+
+    def _tell_settled(self) -> None:
+        """Tell the proposer the held results, unless the partition step is still deciding.
+
+        A partition trial runs the baseline's configuration with other parts: the proposer
+        must see that configuration once, with the measurement that holds for the partition
+        later trials run (a failed or slower partition trial is not a run of the baseline's
+        configuration; a kept one replaces the baseline's run)."""
+        if getattr(self.balancer, "deciding", False):
+            return
+        from autotune.balance import superseded
+
+        stale = superseded(self.study.counted())
+        for n in sorted(self._held):
+            cfg, result = self._held.pop(n)
+            if n not in stale:
+                self.proposer.tell(cfg, result)
 
     def _incumbent(self, proposal: Proposal) -> tuple[float, float] | None:
         """(samples/s, noise margin) of the best trial so far: with adaptive steps a trial that

@@ -208,8 +208,11 @@ def gather_study(study: Study) -> StudyReport:
     baseline = next((t for t in counted if t.number == 0), None)
     best = study.best()
     measurements: dict[tuple, list[float]] = {}
+    from autotune.balance import superseded
+
+    stale = superseded(trials)  # a partition trial shares the baseline's key (autotune/balance.py)
     for t in trials:
-        if t.status == STATUS_OK and t.samples_per_second:
+        if t.status == STATUS_OK and t.samples_per_second and t.number not in stale:
             measurements.setdefault(t.config.key(), []).append(t.samples_per_second)
     space = _meta(study, "space")
     report = StudyReport(

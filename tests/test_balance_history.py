@@ -1,0 +1,175 @@
+"""The partition trial shares the baseline's history key (autotune/balance.py `superseded`).
+
+It runs the baseline's micro-batch, GAS and bucket with other parts, so the study and the
+proposer must not take it for a second run of the baseline's configuration: the best
+configuration, its mean, the report and what the proposer is told count only the
+measurement that holds for the partition the study runs from then on. The tuning loop,
+the study (SQLite), the balancer and the hybrid proposer are the real ones; the trials are
+answered at once by a runner that writes the layer costs a real baseline would (the
+loop's bookkeeping, not DeepSpeed, is under test).
+"""
+
+from __future__ import annotations
+
+import json
+
+from builders import healthy_summary
+
+from autotune.balance import SOURCE, StageBalancer, describe_result, superseded
+from autotune.judge import TrialOutcome, failed
+from autotune.layer_costs import rows_to_csv
+from autotune.options import WorkloadOptions
+from autotune.proposers.base import STATUS_OK, TrialResult
+from autotune.proposers.hybrid import HybridProposer
+from autotune.space import SearchSpace, TrialConfig
+from autotune.study import Study
+from autotune.study_outputs import render_markdown
+from autotune.tuner import Tuner
+
+BASE = TrialConfig(micro_batch_size=2, gradient_accumulation_steps=4)
+OTHER = TrialConfig(micro_batch_size=4, gradient_accumulation_steps=2)
+
+
+def _space() -> SearchSpace:
+    return SearchSpace.build(pipeline_stages=2, data_parallel_size=1, zero_stage=0, global_batch=8)
+
+
+def _layer_costs(folder) -> None:
+    """Stage 1 of [0, 3, 6] holds the heavy layer 5: balanced as [0, 4, 6]."""
+    folder.mkdir(parents=True, exist_ok=True)
+    costs = [1, 1, 1, 1, 1, 4]
+    for s, (lo, hi) in enumerate([(0, 3), (3, 6)]):
+        rows = [{"rank": s, "stage": s, "stages": 2, "layer": i, "name": f"L{i}", "forward_seconds": costs[i] / 2,
+                 "backward_seconds": costs[i] / 2, "parameters": 100, "activation_bytes": 1,
+                 "stage_overhead_seconds": 0.0, "stage_peak_memory_bytes": 1.0, "peak_memory_kind": "process_max_rss",
+                 "micro_batch_size": 2, "gradient_accumulation_steps": 4, "steps": 2} for i in range(lo, hi)]
+        (folder / f"layer-costs-rank{s}.csv").write_text(rows_to_csv(rows))
+
+
+class ScriptedRunner:
+    """Trial N answers `answers[N]` (samples/s, or None: failed out of memory)."""
+
+    def __init__(self, answers: dict[int, float | None]) -> None:
+        self.answers = answers
+        self.workload = WorkloadOptions(preset="tiny", pipeline_stages=2, partition_method="uniform",
+                                        workers="fresh")
+        self.methods: dict[int, str] = {}
+
+    def run(self, number, config, trial_dir, *, timeout, on_start=None, **_: object) -> TrialOutcome:
+        self.methods[number] = self.workload.partition_method
+        if number == 0:
+            _layer_costs(trial_dir)
+        sps = self.answers[number]
+        if sps is None:
+            return failed("oom", "out of memory on stage 0", 0.1)
+        imbalance = 1.4 if number == 0 else 1.05
+        return TrialOutcome(result=TrialResult(status=STATUS_OK, samples_per_second=sps),
+                            summary=healthy_summary(stage_compute_imbalance=imbalance, slowest_stage=1,
+                                                    samples_per_second=sps),
+                            failure_detail=None, wall_seconds=0.1)
+
+    def ds_config_for(self, config: TrialConfig) -> dict:
+        return {"train_micro_batch_size_per_gpu": config.micro_batch_size}
+
+
+class RecordingProposer(HybridProposer):
+    """The hybrid proposer; records what it is told and proposes OTHER first after the baseline."""
+
+    def __init__(self, space: SearchSpace) -> None:
+        super().__init__(space, seed=0, moves=None, budget=4)
+        self.told: list[tuple[TrialConfig, str, float]] = []
+
+    def tell(self, config, result) -> None:
+        self.told.append((config, result.status, result.samples_per_second))
+        super().tell(config, result)
+
+    def ask(self):
+        from autotune.proposers.base import Proposal
+
+        if not any(c == OTHER for c, _, _ in self.told):
+            self.history.pending.add(OTHER.key())
+            return Proposal(config=OTHER, source="explore", reason="the other configuration")
+        return super().ask()
+
+
+class Quiet:
+    budget = 0
+
+    def note(self, _text: str) -> None:
+        pass
+
+    def running(self, *a, **k):
+        from contextlib import nullcontext
+
+        return nullcontext()
+
+    def trial_row(self, *a, **k) -> None:
+        pass
+
+
+def _tune(root, answers: dict[int, float | None], budget: int = 3):
+    study = Study.open(root, create=not (root / "study.db").exists())
+    runner, proposer = ScriptedRunner(answers), RecordingProposer(_space())
+    try:
+        result = Tuner(study=study, runner=runner, space=_space(), proposer=proposer, baseline=BASE,
+                       display=Quiet(), budget=budget, balancer=StageBalancer(runner, study.root, lambda _: None),
+                       stop_early=False).run()
+        best = study.best()
+    finally:
+        study.close()
+    return result.summary, best, proposer, runner
+
+
+def test_a_rejected_partition_is_no_second_run_of_the_baseline(tmp_path):
+    # baseline 10, partition trial 8 (slower: rejected), the other configuration 9.5
+    summary, best, proposer, runner = _tune(tmp_path / "st", {0: 10.0, 1: 8.0, 2: 9.5})
+    assert runner.methods == {0: "uniform", 1: "parts:0,4,6", 2: "uniform"}
+    # averaged with the rejected partition the baseline read 9.0 and lost to the other one
+    assert best.number == 0 and best.samples_per_second == 10.0 and best.repeats == 1
+    assert summary["best"]["trial"] == 0 and summary["speedup_over_baseline"] == 1.0
+    assert [(c, s) for c, _, s in proposer.told] == [(BASE, 10.0), (OTHER, 9.5)]
+    line = describe_result(summary["partition"])
+    assert "not kept" in line and "[0, 4, 6]" in line and "Partition: parts" in render_markdown(summary)
+
+
+def test_a_kept_partition_replaces_the_baseline_run_it_beat(tmp_path):
+    # baseline 10, partition trial 14 (kept), the other configuration (with the kept parts) 13
+    summary, best, proposer, runner = _tune(tmp_path / "st", {0: 10.0, 1: 14.0, 2: 13.0})
+    assert runner.methods[2] == "parts:0,4,6"
+    # averaged with the baseline's own partition the configuration read 12.0 and lost to 13
+    assert best.number == 1 and best.samples_per_second == 14.0 and best.repeats == 1
+    assert summary["best"]["trial"] == 1 and abs(summary["speedup_over_baseline"] - 1.4) < 1e-9
+    assert [(c, s) for c, _, s in proposer.told] == [(BASE, 14.0), (OTHER, 13.0)]
+    assert summary["partition"]["in_your_code"]["parts"] == [0, 4, 6]
+    line = describe_result(summary["partition"])
+    assert "kept (trial 1" in line and "PARTS = [0, 4, 6]" in line  # no built-in method builds [0, 4, 6]
+
+
+def test_a_failed_partition_trial_is_no_failure_of_the_baseline_configuration(tmp_path):
+    summary, best, proposer, _ = _tune(tmp_path / "st", {0: 10.0, 1: None, 2: 9.5})
+    assert best.number == 0 and best.samples_per_second == 10.0
+    assert [(c, st) for c, st, _ in proposer.told] == [(BASE, STATUS_OK), (OTHER, STATUS_OK)]
+    assert BASE.key() in proposer.history.means()  # a told failure would have dropped it
+
+
+def test_a_resumed_study_tells_the_proposer_what_the_run_told_it(tmp_path):
+    _, _, first, _ = _tune(tmp_path / "st", {0: 10.0, 1: 14.0}, budget=2)
+    assert [(c, s) for c, _, s in first.told] == [(BASE, 14.0)]
+    _, best, again, _ = _tune(tmp_path / "st", {2: 13.0}, budget=3)  # resume: trials 0 and 1 replayed
+    assert again.told == [(BASE, "ok", 14.0), (OTHER, "ok", 13.0)]
+    assert best.number == 1
+
+
+def test_superseded_follows_the_rounds():
+    from types import SimpleNamespace
+
+    def row(n, source, sps, status="ok"):
+        return SimpleNamespace(number=n, source=source, status=status, samples_per_second=sps)
+
+    assert superseded([row(0, "baseline", 10.0), row(1, SOURCE, 12.0), row(2, SOURCE, 11.0),
+                       row(3, "bayes", 20.0)]) == {0, 2}
+    assert superseded([row(0, "baseline", 10.0), row(1, SOURCE, 12.0), row(2, SOURCE, 13.0)]) == {0, 1}
+    assert superseded([row(0, "baseline", 10.0), row(1, SOURCE, None, "failed")]) == {1}
+    assert superseded([row(0, "baseline", 10.0), row(1, SOURCE, 12.0, "interrupted")]) == set()
+    assert superseded([row(0, "baseline", None, "failed"), row(1, "bayes", 5.0)]) == set()
+    assert json.dumps(sorted(superseded([]))) == "[]"
