@@ -130,7 +130,10 @@ class WarmTrials:
         return folder.resolve(), figures(outcome.summary)
 
     def close(self) -> None:
+        warm = self.runner.warm
+        pools = warm.pools_started if warm is not None else 0
         self.runner.close()
+        print(f"{self.stages} stages: {self.number} trials in {pools} pool(s) of warm workers", flush=True)
 
 
 def uniform_parts(num_layers: int, stages: int) -> list[int]:
@@ -185,7 +188,8 @@ def run_stage_count(stages: int, args: argparse.Namespace, root: Path) -> tuple[
             first, _ = trials("balanced-measure", method_for(parts), True)
             lc2 = read_trial_layer_costs(first)
             refined = balanced_parts(lc2.costs, stages, stage_fixed=lc2.stage_fixed_seconds)
-            print(f"{stages} stages: refined from the balanced trial's costs: {refined}", flush=True)
+            print(f"{stages} stages: refined from the balanced trial's costs (it ran parts {lc2.parts}): {refined}",
+                  flush=True)
             if refined != parts:
                 methods["refined"] = method_for(refined)
                 method_parts["refined"] = refined
