@@ -50,20 +50,32 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+GPU_DEVICE_NODES = ("/dev/nvidia0", "/dev/nvidiactl", "/dev/kfd", "/dev/dxg")
+"""Device files a GPU torch can use shows up as (NVIDIA, ROCm, WSL): without any of them
+`torch.cuda.is_available()` is False, so the controller need not import torch to know."""
+
+
+def gpu_device_nodes(nodes: tuple[str, ...] = GPU_DEVICE_NODES) -> list[str]:
+    return [n for n in nodes if os.path.exists(n)]
+
+
 def accelerator_env() -> dict[str, str]:
     """DS_ACCELERATOR=cpu (gloo) unless a CUDA device is present or the user chose one."""
     env: dict[str, str] = {}
-    if "DS_ACCELERATOR" not in os.environ:
-        try:
-            import torch
-
-            cuda = torch.cuda.is_available()
-        except ImportError:
-            cuda = False
-        if not cuda:
-            env["DS_ACCELERATOR"] = "cpu"
+    if "DS_ACCELERATOR" not in os.environ and not _torch_sees_cuda():
+        env["DS_ACCELERATOR"] = "cpu"
     env.setdefault("OMP_NUM_THREADS", "1")
     return env
+
+
+def _torch_sees_cuda() -> bool:
+    if not gpu_device_nodes():  # no GPU device at all: torch would say so after a 1-3 s import
+        return False
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
 
 
 def build_command(spec: LaunchSpec, master_port: int) -> list[str]:
@@ -110,11 +122,11 @@ class TrialProcess:
             self.stop()
             return None, True
 
-    def stop(self, grace: float = 5.0) -> None:
-        """SIGTERM the whole process group, then SIGKILL what is left."""
+    def stop(self, grace: float = 5.0, *, polite: bool = True) -> None:
+        """SIGTERM the whole process group, then SIGKILL what is left (SIGKILL at once unless `polite`)."""
         if self.proc is None:
             return
-        kill_group(self.proc.pid, grace)
+        kill_group(self.proc.pid, grace, polite=polite)
         try:
             self.proc.wait(timeout=grace)
         except subprocess.TimeoutExpired:
@@ -150,8 +162,9 @@ def remove_shm_buffers(master_port: int, shm_dir: Path = SHM_DIR) -> int:
     return removed
 
 
-def kill_group(pgid: int, grace: float = 5.0) -> None:
-    for sig in (signal.SIGTERM, signal.SIGKILL):
+def kill_group(pgid: int, grace: float = 5.0, *, polite: bool = True) -> None:
+    """SIGTERM the group, then SIGKILL what is left after `grace`; SIGKILL at once unless `polite`."""
+    for sig in (signal.SIGTERM, signal.SIGKILL) if polite else (signal.SIGKILL,):
         try:
             os.killpg(pgid, sig)
         except (ProcessLookupError, PermissionError):

@@ -55,8 +55,11 @@ def unsupported_message(precision: str, support: DeviceSupport) -> str:
 
 def check_precision(cfg: DsConfig, support: DeviceSupport | None = None) -> None:
     """Raise a one-line ConfigError when the config asks for a precision the devices lack."""
+    requested = requested_precisions(cfg)
+    if not requested:  # fp32 runs everywhere: no need to import torch and ask the devices
+        return
     support = support or probe_devices()
-    for precision in requested_precisions(cfg):
+    for precision in requested:
         if not support.supported.get(precision, True):
             raise ConfigError(unsupported_message(precision, support))
 

@@ -98,6 +98,9 @@ def tune(opts: RunOptions, display: ProgressDisplay | None = None, *,
                      f"budget {opts.budget}")
         display.note(f"space: {space.describe()}")
         exporter = _live_metrics(opts, display, study)
+        from autotune import preload
+
+        preload.start()  # the optimizer's and the report's imports, while the baseline starts its ranks
         runner = job.runner(opts, base) if job else TrialRunner(wl, base, note=display.note, cluster=cluster)
         balancer = None
         if wl.balance_stages:  # the partition step (autotune/balance.py)

@@ -37,6 +37,11 @@ class TrialRunner:
         if workload.workers == "warm":
             self.warm = WarmWorkers(workload.world_size, launcher=launcher, note=note)
 
+    def begin_close(self) -> None:
+        """No trial follows: warm workers start exiting now (see `WarmWorkers.begin_close`)."""
+        if self.warm is not None:
+            self.warm.begin_close()
+
     def close(self) -> None:
         """Stop the warm workers, if any (the end of a run)."""
         if self.warm is not None:

@@ -24,7 +24,6 @@ import atexit
 import json
 import os
 import shutil
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -157,20 +156,30 @@ class WarmPool:
                 pass
         return out
 
+    def request_stop(self) -> None:
+        """Tell the ranks to exit, without waiting (each answers `exited-rankR` as it goes)."""
+        if self.proc is not None and self.proc.proc is not None and self.alive:
+            try:
+                (self.folder / "stop").write_text("", encoding="utf-8")
+            except OSError:
+                pass
+
     def stop(self, grace: float = 5.0) -> None:
         """Tell the ranks to exit, then end the whole process group and its /dev/shm buffers."""
         if self.proc is None or self.proc.proc is None:
             return
         if self.alive:
-            try:
-                (self.folder / "stop").write_text("", encoding="utf-8")
-            except OSError:
-                pass
-            try:
-                self.proc.proc.wait(timeout=grace)
-            except subprocess.TimeoutExpired:
-                pass
-        self.proc.stop(grace=2.0)  # the group, SIGTERM then SIGKILL; removes the port's buffers
+            self.request_stop()
+            exited = [self.folder / f"exited-rank{r}" for r in range(self.num_ranks)]
+            deadline = time.monotonic() + grace
+            while (self.alive and time.monotonic() < deadline
+                   and not all(p.exists() for p in exited)):
+                time.sleep(POLL_SECONDS)
+        # Once every rank has exited, only DeepSpeed's two launchers are left: they hold
+        # nothing, and would take 1-2 s to notice (launch.py polls once a second) and to
+        # run their own SIGTERM handlers. So they get SIGKILL; anything else gets SIGTERM first.
+        ranks_gone = all((self.folder / f"exited-rank{r}").exists() for r in range(self.num_ranks))
+        self.proc.stop(grace=2.0, polite=not ranks_gone)  # removes the port's /dev/shm buffers
         self.proc = None
 
 
@@ -227,6 +236,12 @@ class WarmWorkers:
         if not pool.alive:
             self.pool = None
         return outcome
+
+    def begin_close(self) -> None:
+        """The run's last trial is done: the ranks start exiting while the controller writes its
+        outputs; `close()` then finds them gone."""
+        if self.pool is not None:
+            self.pool.request_stop()
 
     def close(self) -> None:
         if self.pool is not None:

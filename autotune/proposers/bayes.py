@@ -22,19 +22,22 @@ Encoding (traps from tuner-facts.md avoided):
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
-from skopt import Optimizer
-from skopt.acquisition import gaussian_ei
-from skopt.space import Integer, Real
 
+from autotune import preload
 from autotune.proposers.base import Proposal, TrialResult
 from autotune.proposers.history import History
 from autotune.proposers.pool import candidate_pool, clamp_bucket, unexplored, valid_pairs
 from autotune.space import SearchSpace, TrialConfig
+
+if TYPE_CHECKING:
+    from skopt import Optimizer
 
 Veto = Callable[[TrialConfig], bool]
 
@@ -45,14 +48,22 @@ class Encoding:
     def __init__(self, space: SearchSpace) -> None:
         self.space = space
         self.free = space.global_batch is None
+        self._pairs = valid_pairs(space)
+
+    @functools.cached_property
+    def dimensions(self) -> list:
+        """skopt's dimensions; built on first use, since building them imports skopt (2-3 s)."""
+        preload.wait()
+        from skopt.space import Integer, Real
+
+        space = self.space
         dims = [Integer(0, len(space.micro_batch_sizes) - 1, name="micro_idx")]
         if self.free:
             dims.append(Integer(0, len(space.gas_values) - 1, name="gas_idx"))
         if space.bucket_range is not None:
             lo, hi = space.bucket_range
             dims.append(Real(math.log10(lo), math.log10(hi) + 1e-9, name="log10_bucket"))
-        self.dimensions = dims
-        self._pairs = valid_pairs(space)
+        return dims
 
     def encode(self, cfg: TrialConfig) -> list:
         sp = self.space
@@ -95,6 +106,8 @@ class Surrogate:
         return -np.asarray(mu), np.asarray(sd)
 
     def expected_improvement(self, configs: Sequence[TrialConfig], xi: float = 0.01) -> np.ndarray:
+        from skopt.acquisition import gaussian_ei
+
         return np.asarray(gaussian_ei(self._X(configs), self._opt.models[-1], y_opt=self.y_best, xi=xi))
 
     def suggestion(self) -> TrialConfig:
@@ -173,6 +186,9 @@ class BayesProposer:
         X, y = self.observations()
         if len(set(map(tuple, X))) < 2:
             return None
+        preload.wait()
+        from skopt import Optimizer
+
         opt = Optimizer(self.encoding.dimensions, base_estimator=self.base_estimator,
                         n_initial_points=1, acq_func=self.acq_func, acq_optimizer="sampling",
                         acq_optimizer_kwargs={"n_points": 2000},

@@ -28,8 +28,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from scipy.special import erfc
 
+from autotune import preload
 from autotune.proposers.history import History
 from autotune.space import TrialConfig
 
@@ -89,6 +89,9 @@ def expected_improvement(mu: np.ndarray, sd: np.ndarray, best: float) -> np.ndar
     sd = np.maximum(sd, 1e-12)
     z = imp / sd
     phi = np.exp(-0.5 * z**2) / math.sqrt(2 * math.pi)
+    preload.wait()  # SciPy is imported in the background (autotune/preload.py)
+    from scipy.special import erfc
+
     cdf = 0.5 * erfc(-z / math.sqrt(2))
     return np.maximum(imp * cdf + sd * phi, 0.0)
 

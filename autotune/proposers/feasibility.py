@@ -36,8 +36,8 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from scipy.optimize import nnls
 
+from autotune import preload
 from autotune.proposers.base import TrialResult
 from autotune.space import SearchSpace, TrialConfig
 
@@ -103,6 +103,9 @@ class FeasibilityModel:
             y = np.array([m for _, m in self._fits])
             scale = A.max(axis=0)
             scale[scale == 0] = 1.0
+            preload.wait()  # SciPy is imported in the background (autotune/preload.py)
+            from scipy.optimize import nnls
+
             coef, _ = nnls(A / scale, y)
             self._coef = coef / scale
         return self._coef

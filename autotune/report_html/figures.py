@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from autotune import preload
 from autotune.extras import require
 from autotune.report_html.gather import KNOB_LABELS, StepData, StudyReport
 from autotune.space import fmt_bucket
@@ -40,6 +41,7 @@ class Figure:
 
 def _plt() -> Any:
     require("report")
+    preload.wait()  # `autotune run` imports matplotlib in the background (autotune/preload.py)
     import matplotlib
 
     matplotlib.use("Agg", force=True)
