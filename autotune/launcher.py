@@ -55,8 +55,8 @@ GPU_DEVICE_NODES = ("/dev/nvidia0", "/dev/nvidiactl", "/dev/kfd", "/dev/dxg")
 `torch.cuda.is_available()` is False, so the controller need not import torch to know."""
 
 
-def gpu_device_nodes(nodes: tuple[str, ...] = GPU_DEVICE_NODES) -> list[str]:
-    return [n for n in nodes if os.path.exists(n)]
+def gpu_device_nodes() -> list[str]:
+    return [n for n in GPU_DEVICE_NODES if os.path.exists(n)]
 
 
 def accelerator_env() -> dict[str, str]:

@@ -20,6 +20,7 @@ and exits, so a killed controller leaves nothing running.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import resource
@@ -133,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
             run = run_trial(spec, release=True)
             if run.exit_code != 0:
                 return run.exit_code  # as a fresh rank would: the launcher stops the others
+            gc.freeze()  # what outlived the trial (imports, the process group) is left out of later collections
             write_atomic(pool / f"done-{k}-rank{rank}.json", {
                 "trial": spec.trial, "rank": rank, "seconds": time.monotonic() - started,
                 "rss_before_bytes": rss_before, "rss_after_bytes": rss_bytes(),
