@@ -1,11 +1,11 @@
 """`autotune run --balance-stages -- deepspeed SCRIPT ...`: the partition step on a user's own script.
 
 The script (tests/usercmd_scripts/uneven_pipeline.py) is unmodified and uneven by
-construction: layer 1 runs its MLP LOOPS (4) times, a block's parameters with four blocks'
+construction: layer 1 runs its MLP LOOPS (5) times, a block's parameters with five blocks'
 compute, and the script's own `uniform` partition [0, 4, 8] leaves it on stage 0 with two
 more blocks. That is the injected ground truth: stage 0 is the bottleneck, and the balanced
-parts hand the looped layer's neighbour (layer 3, at most layers 2 and 3) to stage 1 while
-the looped layer stays. The bootstrap forces the parts on the script's PipelineModule; the
+parts hand the looped layer's neighbours (layers 2 and 3 predicted, layer 3 at least) to
+stage 1 while the looped layer stays. The bootstrap forces the parts on the script's PipelineModule; the
 trial's engine markers say which layers each stage really built. Work figures (thread CPU
 time) are asserted with margin, the throughput decision only for consistency: on shared
 cores either decision can be right.
@@ -28,7 +28,7 @@ from autotune.layer_costs import read_trial_layer_costs
 
 pytestmark = pytest.mark.slow
 SCRIPT = Path(__file__).resolve().parent / "usercmd_scripts" / "uneven_pipeline.py"
-HEAVY, LOOPS = 1, 4  # as in the script
+HEAVY, LOOPS = 1, 5  # as in the script
 SCRIPT_PARTS = [0, 4, 8]  # DeepSpeed's uniform partition of its 8 layers over 2 stages
 
 
@@ -75,7 +75,7 @@ def test_the_parts_move_the_heavy_layers_neighbours_off_the_bottleneck(balanced_
     assert lc.names[HEAVY] == "Looped" and lc.costs[HEAVY] > LOOPS / 2 * blocks  # the injected cost shows
     assert decision["slowest_stage"] == 0
     parts = decision["rounds"][0]["parts"]
-    # stage 0 keeps the looped layer and gives up layer 3 (layer 2 too at most): [0, 3, 8] predicted
+    # stage 0 keeps the looped layer and gives up layer 3 at least: [0, 2, 8] predicted
     assert parts[0] == 0 and parts[2] == 8 and HEAVY < parts[1] < SCRIPT_PARTS[1]
     assert "stage 0 -> 1" in decision["rounds"][0]["moves"]
 
@@ -84,7 +84,7 @@ def test_the_partition_trial_measures_a_lower_stage_work_imbalance(balanced_stud
     _, _, rows, decision = balanced_study
     base, part = (json.loads(r[3])["stage_work_imbalance"] for r in rows)
     assert base > THRESHOLD and decision["measured_imbalance"] == base
-    assert part < base - 0.05, (base, part)  # about 1.26 -> 1.09 measured; the margin is wide
+    assert part < base - 0.05, (base, part)  # the margin is wide (figures in docs/partition.md)
     assert decision["rounds"][0]["measured_imbalance"] == part
 
 

@@ -6,9 +6,10 @@
 Eight layers: an embedding, one `Looped` block that runs the same MLP `LOOPS` times
 (LOOPS x a block's compute with a block's parameter count: what `parameters` cannot see),
 five plain blocks and a small head. The script partitions with `uniform`, [0, 4, 8]: the
-looped block and two blocks beside it on stage 0, so stage 0 does about 6 blocks' work
-and stage 1 about 3.5. The balanced parts give the looped block's neighbour (layer 3, and
-no more than layers 2 and 3) to stage 1: the ground truth of the test.
+looped block and two blocks beside it on stage 0, so stage 0 does about 7 blocks' work
+and stage 1 about 3.5. The balanced parts give the looped block's neighbours (layers 2
+and 3, [0, 2, 8]: 5 blocks' work against 5.5; at least layer 3) to stage 1: the ground
+truth of the test.
 """
 
 import argparse
@@ -18,7 +19,7 @@ import torch
 from deepspeed.pipe import LayerSpec, PipelineModule
 from torch import nn
 
-VOCAB, SEQ, HIDDEN, BLOCKS, LOOPS = 256, 32, 256, 6, 4
+VOCAB, SEQ, HIDDEN, BLOCKS, LOOPS = 256, 32, 256, 6, 5
 HEAVY = 1
 """The layer index of the looped block."""
 
