@@ -91,11 +91,9 @@ def builtin_equivalent(parts: list[int], costs: list[float], parameters: list[in
     """What a user writes to keep `parts`: a built-in partition_method when its parts are
     predicted as good (slowest stage within `tolerance`), else the parts list itself.
 
-    The built-in parts are DeepSpeed's own functions on the measured layers (`uniform`: the
+    The built-in parts are DeepSpeed's own rules on the measured layers (`uniform`: the
     layer count; `parameters`: each layer's parameter count, as `_count_layer_params`).
     `type:REGEX` balances a count of matching layers and is not tried."""
-    from deepspeed.runtime.utils import partition_balanced, partition_uniform
-
     from autotune.partition import imbalance, stage_times
 
     stages = len(parts) - 1
@@ -145,6 +143,47 @@ def describe_result(info: dict[str, Any] | None) -> str | None:
             f"{info.get('baseline_samples_per_second') or 0:.1f} samples/s (work imbalance "
             f"{info.get('measured_imbalance', 0):.2f} -> {tried.get('measured_imbalance') or 0:.2f}); not kept: "
             f"{info.get('method', 'the script')} partition stays, nothing to change in the code")
+
+
+def partition_uniform(num_items: int, num_parts: int) -> list[int]:
+    """DeepSpeed 0.19.8's `runtime.utils.partition_uniform` (the `uniform` method), ported so
+    that the controller needs neither torch nor DeepSpeed (tests compare it with DeepSpeed's)."""
+    if num_items <= num_parts:
+        return [min(p, num_items) for p in range(num_parts + 1)]
+    chunk, residual = divmod(num_items, num_parts)
+    parts = [p * chunk for p in range(num_parts + 1)]
+    for i in range(residual):
+        parts[i + 1:] = [x + 1 for x in parts[i + 1:]]
+    return parts
+
+
+def partition_balanced(weights: list[float], num_parts: int) -> list[int]:
+    """DeepSpeed 0.19.8's `runtime.utils.partition_balanced` (the `parameters` method on the
+    layers' parameter counts), ported step for step, ties included."""
+    n, m = len(weights), num_parts
+    if n <= m:
+        return partition_uniform(n, m)
+    inf = float("inf")
+    dp_max = [[inf] * (m + 1) for _ in range(n + 1)]
+    dp_min = [[inf] * (m + 1) for _ in range(n + 1)]
+    dp_cost = [[inf] * (m + 1) for _ in range(n + 1)]
+    position = [[0] * (m + 1) for _ in range(n + 1)]
+    prefix = [0.0]
+    for w in weights:
+        prefix.append(prefix[-1] + float(w))
+    dp_max[0][0] = dp_cost[0][0] = 0.0
+    for i in range(1, n + 1):
+        for j in range(1, min(i, m) + 1):
+            for k in range(i):
+                run = prefix[i] - prefix[k]
+                max_sum, min_sum = max(dp_max[k][j - 1], run), min(dp_min[k][j - 1], run)
+                if dp_cost[i][j] >= max_sum - min_sum:
+                    dp_cost[i][j], dp_max[i][j], dp_min[i][j] = max_sum - min_sum, max_sum, min_sum
+                    position[i][j] = k
+    parts = [n]
+    for j in reversed(range(1, m + 1)):
+        parts.append(position[parts[-1]][j])
+    return parts[::-1]
 
 
 def _slowest(summary: Any) -> int:

@@ -173,3 +173,19 @@ def test_superseded_follows_the_rounds():
     assert superseded([row(0, "baseline", 10.0), row(1, SOURCE, 12.0, "interrupted")]) == set()
     assert superseded([row(0, "baseline", None, "failed"), row(1, "bayes", 5.0)]) == set()
     assert json.dumps(sorted(superseded([]))) == "[]"
+
+
+def test_the_built_in_parts_are_deepspeeds_own():
+    """The controller computes `uniform` and `parameters` without torch; DeepSpeed agrees."""
+    import random
+
+    from deepspeed.runtime import utils as ds
+
+    from autotune.balance import partition_balanced, partition_uniform
+
+    rng = random.Random(0)
+    for _ in range(60):
+        n, m = rng.randint(1, 14), rng.randint(1, 5)
+        weights = [rng.choice([0, 1, 5, 100, 526080, rng.randint(0, 10**6)]) for _ in range(n)]
+        assert partition_uniform(n, m) == [int(x) for x in ds.partition_uniform(n, m)], (n, m)
+        assert partition_balanced(weights, m) == [int(x) for x in ds.partition_balanced(weights, m)], (weights, m)
