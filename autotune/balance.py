@@ -69,10 +69,19 @@ def superseded(trials: list[Any]) -> set[int]:
     every partition trial not kept (failed ones too: the failure belongs to the parts, not
     to the configuration) and, once one is kept, the measurement it replaced. Only the
     baseline and partition trials can be; every other trial runs the partition in force.
+
+    A knob trial of a user's script (`--knob`, usercmd/knobs.py: source `knob:NAME=VALUE`)
+    is the same case, another model setting at the baseline's key, and `KnobSweep` keeps a
+    value by the same rule (faster than the measurement in force), so it is judged here too.
     """
+    from autotune.usercmd.knobs import SOURCE_PREFIX as KNOB
+
+    def at_baseline_key(source: str) -> bool:
+        return source in ("baseline", SOURCE) or source.startswith(KNOB)
+
     out: set[int] = set()
     current: Any = None
-    for t in sorted((t for t in trials if t.source in ("baseline", SOURCE) and t.status in ("ok", "failed")),
+    for t in sorted((t for t in trials if at_baseline_key(t.source) and t.status in ("ok", "failed")),
                     key=lambda t: t.number):
         if t.source == "baseline":
             current = t if t.status == "ok" else None

@@ -189,3 +189,57 @@ def test_the_built_in_parts_are_deepspeeds_own():
         weights = [rng.choice([0, 1, 5, 100, 526080, rng.randint(0, 10**6)]) for _ in range(n)]
         assert partition_uniform(n, m) == [int(x) for x in ds.partition_uniform(n, m)], (n, m)
         assert partition_balanced(weights, m) == [int(x) for x in ds.partition_balanced(weights, m)], (weights, m)
+
+
+# -- knob trials (`--knob`, autotune/usercmd/knobs.py) share the baseline's key the same way ------
+
+class KnobRunner(ScriptedRunner):
+    """A user's command with one flag per knob; trial N answers `answers[N]`."""
+
+    def __init__(self, answers: dict[int, float | None]) -> None:
+        super().__init__(answers)
+        from types import SimpleNamespace
+
+        self.command = SimpleNamespace(script_args=("--partition", "parameters", "--ckpt", "0"))
+        self.knob_values: dict[str, str] = {}
+        self.seen: dict[int, dict[str, str]] = {}
+
+    def run(self, number, config, trial_dir, **kw) -> TrialOutcome:
+        self.seen[number] = dict(self.knob_values)
+        return super().run(number, config, trial_dir, **kw)
+
+
+def _tune_knobs(root, answers: dict[int, float | None], budget: int):
+    from autotune.usercmd.knobs import KnobSweep, parse_knobs
+
+    study = Study.open(root, create=True)
+    runner, proposer = KnobRunner(answers), RecordingProposer(_space())
+    knobs = parse_knobs(["partition_method:parameters,uniform=--partition {value}",
+                         "activation_checkpoint_interval:0,1=--ckpt {value}"])
+    try:
+        result = Tuner(study=study, runner=runner, space=_space(), proposer=proposer, baseline=BASE,
+                       display=Quiet(), budget=budget, balancer=KnobSweep(runner, knobs, study.root, lambda _: None),
+                       stop_early=False).run()
+        best = study.best()
+    finally:
+        study.close()
+    return result.summary, best, proposer, runner
+
+
+def test_knob_trials_are_no_second_runs_of_the_baseline_and_a_later_knob_beats_the_kept_value(tmp_path):
+    # baseline 10; uniform 14 (kept); checkpointing 12 with uniform: slower than the 14 in force,
+    # so not kept (compared with the baseline's 10 it would have been); then the other configuration
+    summary, best, proposer, runner = _tune_knobs(tmp_path / "st", {0: 10.0, 1: 14.0, 2: 12.0, 3: 13.0}, budget=4)
+    assert runner.seen[2] == {"partition_method": "uniform", "activation_checkpoint_interval": "1"}
+    assert runner.seen[3] == {"partition_method": "uniform", "activation_checkpoint_interval": "0"}
+    # averaged as three runs of one configuration, the baseline's key read 12.0 and lost to 13
+    assert best.number == 1 and best.samples_per_second == 14.0 and best.repeats == 1
+    assert [(c, s) for c, _, s in proposer.told] == [(BASE, 14.0), (OTHER, 13.0)]
+    info = json.loads((tmp_path / "st" / "knobs.json").read_text())
+    assert info["kept"] == {"partition_method": "uniform", "activation_checkpoint_interval": "0"}
+
+
+def test_failed_or_slower_knob_trials_leave_the_baseline_alone(tmp_path):
+    summary, best, proposer, _ = _tune_knobs(tmp_path / "st", {0: 10.0, 1: None, 2: 8.0, 3: 9.5}, budget=4)
+    assert best.number == 0 and best.samples_per_second == 10.0 and best.repeats == 1
+    assert [(c, st, s) for c, st, s in proposer.told] == [(BASE, STATUS_OK, 10.0), (OTHER, STATUS_OK, 9.5)]

@@ -13,8 +13,8 @@ baseline's; every trial that sets another value replaces it in place (or appends
 
 How a knob is searched (`KnobSweep`): model settings change how the model is built, not the
 batch layout, so they are swept once, at the baseline's micro-batch and GAS, one knob after
-the other, each candidate value one trial; the fastest value (the baseline's if none beats
-it) is kept for every later trial, which the Bayesian search then spends on micro-batch,
+the other, each candidate value one trial; the fastest value is kept for every later trial
+when it beats the measurement in force (the baseline's, or an earlier knob's kept value), which the Bayesian search then spends on micro-batch,
 GAS and bucket. The sweep is written to `STUDY/knobs.json` and rebuilt from it on resume.
 What this does not see: a knob whose best value depends on the micro-batch (activation
 checkpointing frees memory for a larger one); docs/user-script.md says so.
@@ -177,11 +177,17 @@ class KnobSweep:
         self.queue: list[Proposal] = []
         self.results: dict[str, dict[str, float | None]] = {k.name: {} for k in knobs}
         self.baseline_sps: float | None = None
+        self.current_sps: float | None = None
+        """samples/s of the measurement in force at the baseline's layout: the baseline's, then
+        each kept value's (a later knob's trials run with the earlier knobs' kept values)."""
         self.planned = False
+        self.running: str | None = None
+        """The knob trial between `before` and `after`."""
 
     # -- around each trial --------------------------------------------------------------------
     def before(self, number: int, proposal: Proposal) -> None:
         values = dict(self.kept)
+        self.running = proposal.source if proposal.source.startswith(SOURCE_PREFIX) else None
         if proposal.source.startswith(SOURCE_PREFIX):
             name, _, value = proposal.source[len(SOURCE_PREFIX):].partition("=")
             values[name] = value
@@ -189,9 +195,10 @@ class KnobSweep:
 
     def after(self, number: int, proposal: Proposal, ok: bool, samples_per_second: float | None,
               summary: Any) -> None:
+        self.running = None
         if proposal.source == "baseline":
             if ok:
-                self.baseline_sps = float(samples_per_second or 0.0)
+                self.baseline_sps = self.current_sps = float(samples_per_second or 0.0)
                 self._plan(proposal)
         elif proposal.source.startswith(SOURCE_PREFIX):
             name, _, value = proposal.source[len(SOURCE_PREFIX):].partition("=")
@@ -202,6 +209,12 @@ class KnobSweep:
 
     def next_proposal(self) -> Proposal | None:
         return self.queue.pop(0) if self.queue else None
+
+    @property
+    def deciding(self) -> bool:
+        """Knob trials are queued or running: the baseline's key has no final measurement yet
+        (the tuner holds what it tells the proposer until then; autotune/balance.py `superseded`)."""
+        return bool(self.queue) or self.running is not None
 
     def replay(self, finished: list[Any], redo: list[Any]) -> None:
         """Rebuild the sweep from the study's finished trials (a resume)."""
@@ -230,15 +243,17 @@ class KnobSweep:
                         reason=f"knob {k.name}: {' '.join(k.tokens(v))} at the baseline's micro-batch and GAS"))
 
     def _decide(self, name: str) -> None:
-        base = self.baseline_sps or 0.0
+        """Keep the fastest value if it beats the measurement in force (the rule `superseded` replays)."""
+        base = self.current_sps or 0.0
         measured = {v: s for v, s in self.results[name].items() if s is not None}
         best = max(measured, key=measured.get) if measured else None
         if best is not None and measured[best] > base:
             self.kept[name] = best
+            self.current_sps = measured[best]
             self.note(f"      knob {name}: {best} kept for the later trials ({measured[best]:.1f} against "
-                      f"{base:.1f} samples/s with the command's own value)")
+                      f"{base:.1f} samples/s with the value before it)")
         else:
-            self.note(f"      knob {name}: no value beat the command's own ({base:.1f} samples/s); kept as it was")
+            self.note(f"      knob {name}: no value beat the one in force ({base:.1f} samples/s); kept as it was")
 
     def _write(self) -> None:
         info = {"baseline_samples_per_second": self.baseline_sps, "kept": self.kept,
