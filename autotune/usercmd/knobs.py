@@ -14,8 +14,8 @@ baseline's; every trial that sets another value replaces it in place (or appends
 How a knob is searched (`KnobSweep`): model settings change how the model is built, not the
 batch layout, so they are swept once, at the baseline's micro-batch and GAS, one knob after
 the other, each candidate value one trial; the fastest value is kept for every later trial
-when it beats the measurement in force (the baseline's, or an earlier knob's kept value), which the Bayesian search then spends on micro-batch,
-GAS and bucket. The sweep is written to `STUDY/knobs.json` and rebuilt from it on resume.
+when it beats the measurement in force (the baseline's, or an earlier knob's kept value),
+and the Bayesian search spends those trials on micro-batch, GAS and bucket. The sweep is written to `STUDY/knobs.json` and rebuilt from it on resume.
 What this does not see: a knob whose best value depends on the micro-batch (activation
 checkpointing frees memory for a larger one); docs/user-script.md says so.
 """
