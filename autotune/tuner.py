@@ -100,8 +100,8 @@ class Tuner:
         """The budget as a cap: stop once the proposer says the search has converged
         (autotune/search_stop.py); False with --full-budget."""
         self._held: dict[int, tuple[TrialConfig, TrialResult]] = {}
-        """Results not told to the proposer yet: held while the partition step decides which
-        of the baseline's key's measurements holds (autotune/balance.py `superseded`)."""
+        """Results not told to the proposer yet: held while the partition step or the knob sweep
+        decides which of the baseline's key's measurements holds (autotune/balance.py `superseded`)."""
 
     # -- the loop -------------------------------------------------------------
     def run(self) -> TuneResult:
@@ -262,9 +262,9 @@ class Tuner:
         self._write()
 
     def _tell_settled(self) -> None:
-        """Tell the proposer the held results, unless the partition step is still deciding.
+        """Tell the proposer the held results, unless the partition step or knob sweep is still deciding.
 
-        A partition trial runs the baseline's configuration with other parts: the proposer
+        A partition (or knob) trial runs the baseline's configuration with other parts: the proposer
         must see that configuration once, with the measurement that holds for the partition
         later trials run (a failed or slower partition trial is not a run of the baseline's
         configuration; a kept one replaces the baseline's run)."""
