@@ -107,13 +107,18 @@ class Quiet:
         pass
 
 
-def _tune(root, answers: dict[int, float | None], budget: int = 3):
+def _tune(root, answers: dict[int, float | None], budget: int = 3, knobs: list[str] | None = None):
+    """A study run by the real loop: the partition step, or with `knobs` the knob sweep."""
+    from autotune.usercmd.knobs import KnobSweep, parse_knobs
+
     study = Study.open(root, create=not (root / "study.db").exists())
-    runner, proposer = ScriptedRunner(answers), RecordingProposer(_space())
+    runner = KnobRunner(answers) if knobs else ScriptedRunner(answers)
+    proposer = RecordingProposer(_space())
+    balancer = (KnobSweep(runner, parse_knobs(knobs), study.root, lambda _: None) if knobs
+                else StageBalancer(runner, study.root, lambda _: None))
     try:
         result = Tuner(study=study, runner=runner, space=_space(), proposer=proposer, baseline=BASE,
-                       display=Quiet(), budget=budget, balancer=StageBalancer(runner, study.root, lambda _: None),
-                       stop_early=False).run()
+                       display=Quiet(), budget=budget, balancer=balancer, stop_early=False).run()
         best = study.best()
     finally:
         study.close()
@@ -209,27 +214,14 @@ class KnobRunner(ScriptedRunner):
         return super().run(number, config, trial_dir, **kw)
 
 
-def _tune_knobs(root, answers: dict[int, float | None], budget: int):
-    from autotune.usercmd.knobs import KnobSweep, parse_knobs
-
-    study = Study.open(root, create=True)
-    runner, proposer = KnobRunner(answers), RecordingProposer(_space())
-    knobs = parse_knobs(["partition_method:parameters,uniform=--partition {value}",
-                         "activation_checkpoint_interval:0,1=--ckpt {value}"])
-    try:
-        result = Tuner(study=study, runner=runner, space=_space(), proposer=proposer, baseline=BASE,
-                       display=Quiet(), budget=budget, balancer=KnobSweep(runner, knobs, study.root, lambda _: None),
-                       stop_early=False).run()
-        best = study.best()
-    finally:
-        study.close()
-    return result.summary, best, proposer, runner
+KNOBS = ["partition_method:parameters,uniform=--partition {value}",
+         "activation_checkpoint_interval:0,1=--ckpt {value}"]
 
 
 def test_knob_trials_are_no_second_runs_of_the_baseline_and_a_later_knob_beats_the_kept_value(tmp_path):
     # baseline 10; uniform 14 (kept); checkpointing 12 with uniform: slower than the 14 in force,
     # so not kept (compared with the baseline's 10 it would have been); then the other configuration
-    summary, best, proposer, runner = _tune_knobs(tmp_path / "st", {0: 10.0, 1: 14.0, 2: 12.0, 3: 13.0}, budget=4)
+    summary, best, proposer, runner = _tune(tmp_path / "st", {0: 10.0, 1: 14.0, 2: 12.0, 3: 13.0}, budget=4, knobs=KNOBS)
     assert runner.seen[2] == {"partition_method": "uniform", "activation_checkpoint_interval": "1"}
     assert runner.seen[3] == {"partition_method": "uniform", "activation_checkpoint_interval": "0"}
     # averaged as three runs of one configuration, the baseline's key read 12.0 and lost to 13
@@ -240,6 +232,6 @@ def test_knob_trials_are_no_second_runs_of_the_baseline_and_a_later_knob_beats_t
 
 
 def test_failed_or_slower_knob_trials_leave_the_baseline_alone(tmp_path):
-    summary, best, proposer, _ = _tune_knobs(tmp_path / "st", {0: 10.0, 1: None, 2: 8.0, 3: 9.5}, budget=4)
+    summary, best, proposer, _ = _tune(tmp_path / "st", {0: 10.0, 1: None, 2: 8.0, 3: 9.5}, budget=4, knobs=KNOBS)
     assert best.number == 0 and best.samples_per_second == 10.0 and best.repeats == 1
     assert [(c, st, s) for c, st, s in proposer.told] == [(BASE, STATUS_OK, 10.0), (OTHER, STATUS_OK, 9.5)]
