@@ -5,7 +5,7 @@ and the throughput at least that of the best of DeepSpeed's built-in methods
 (`parameters`, `uniform`), all measured in the same run.
 
 Run (CPU, real DeepSpeed processes, one rank per stage):
-    .venv/bin/python benchmarks/partition_balance.py --stages 2 4 --rounds 4 --refine
+    nice -n 5 .venv/bin/python benchmarks/partition_balance.py --stages 4 2 --rounds 5 --refine
 (`--quick`: 2 stages, one round of few steps: a smoke run whose figures are noise;
 `--refine`: also the tuner's second round, parts re-solved from a balanced trial's costs;
 `--fresh`: every trial a new DeepSpeed launch, the benchmark's first way.)
@@ -19,7 +19,9 @@ autotune.partition computes the balanced parts from them; then every round runs 
 once (parameters, uniform, balanced[, refined]), the order rotated from round to round
 (A B C, B C A, C A B, ...) so that no method always goes first and drift on a shared machine
 hits all alike. Figures are medians over rounds, with each method's min-max, and the
-balanced/best-built-in ratio taken round by round (paired) as well as of the medians.
+balanced/best-built-in ratio taken round by round (paired) as well as of the medians: the
+throughput goal counts as shown only when balanced is at least as fast in every round
+(a one-sided sign test gives the chance of that with no real difference: 1/32 at 5 rounds).
 
 Throughput needs the warm mode (the default): fresh launches of one identical
 configuration differ by ~29 % (CV) on this machine (benchmarks/launch_noise.py), trials in
@@ -237,6 +239,11 @@ def report(stages: int, got: dict[str, list[dict]], method_parts: dict[str, list
     print(f"{stages} stages: balanced / best built-in ({best}) per round: median {statistics.median(paired):.2f}, "
           f"range {min(paired):.2f}-{max(paired):.2f}, at least as fast in {wins} of {len(paired)} rounds "
           f"(sign test, one-sided p = {sign_test_p(wins, len(paired)):.2f}); {noise}")
+    # the stricter reading: against whichever built-in was faster in that round (biased up: a max of two noisy values)
+    strict = [b / max(p, u) for b, p, u in zip(sps["balanced"], sps["parameters"], sps["uniform"], strict=True)]
+    print(f"{stages} stages: balanced / the faster built-in of each round: median {statistics.median(strict):.2f}, "
+          f"range {min(strict):.2f}-{max(strict):.2f}, at least as fast in {sum(x >= 1.0 for x in strict)} "
+          f"of {len(strict)} rounds")
     print(f"{stages} stages: balanced imbalance {med['balanced']['imbalance']:.2f} "
           f"(parameters {med['parameters']['imbalance']:.2f}, uniform {med['uniform']['imbalance']:.2f}); "
           f"throughput vs best built-in {ratio:.2f}x; imbalance goal {'met' if imbalance_met else 'NOT met'}; "
@@ -257,7 +264,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="wide-vocab")
     ap.add_argument("--stages", type=int, nargs="+", default=[2, 4])
-    ap.add_argument("--rounds", type=int, default=4, help="rounds of every method, order rotated")
+    ap.add_argument("--rounds", type=int, default=5, help="rounds of every method, order rotated (5: the fewest "
+                    "for which all rounds alike is a one-sided sign test below 5 %%)")
     ap.add_argument("--micro", type=int, default=4)
     ap.add_argument("--gas", type=int, default=8)
     ap.add_argument("--steps", type=int, default=8, help="measured steps per trial (fixed)")
