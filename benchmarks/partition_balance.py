@@ -47,6 +47,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from autotune.balance import partition_uniform
 from autotune.dsconfig import DsConfig
 from autotune.launcher import LaunchSpec, run_trial_process
 from autotune.layer_costs import read_trial_layer_costs
@@ -138,13 +139,6 @@ class WarmTrials:
         print(f"{self.stages} stages: {self.number} trials in {pools} pool(s) of warm workers", flush=True)
 
 
-def uniform_parts(num_layers: int, stages: int) -> list[int]:
-    """DeepSpeed's `uniform` parts (deepspeed.runtime.utils.partition_uniform), to name identical methods."""
-    from deepspeed.runtime.utils import partition_uniform
-
-    return list(partition_uniform(num_items=num_layers, num_parts=stages))
-
-
 def rotated(names: list[str], r: int) -> list[str]:
     """Round r's order: A B C, B C A, C A B, ..."""
     k = r % len(names)
@@ -185,7 +179,7 @@ def run_stage_count(stages: int, args: argparse.Namespace, root: Path) -> tuple[
               f"(predicted imbalance {imbalance(predicted):.2f}); moves: {describe_moves(lc.parts, parts, lc.names)}",
               flush=True)
         methods = {"parameters": "parameters", "uniform": "uniform", "balanced": method_for(parts)}
-        method_parts = {"parameters": lc.parts, "uniform": uniform_parts(lc.parts[-1], stages), "balanced": parts}
+        method_parts = {"parameters": lc.parts, "uniform": partition_uniform(lc.parts[-1], stages), "balanced": parts}
         if args.refine:  # the tuner's second round (autotune/balance.py): re-solve from the balanced trial
             first, _ = trials("balanced-measure", method_for(parts), True)
             lc2 = read_trial_layer_costs(first)
