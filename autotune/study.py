@@ -272,8 +272,8 @@ class Study:
         contenders) are judged by their mean, not by their luckiest run. The row
         returned is that configuration's latest trial, carrying the mean and the
         number of measurements in `repeats`. Trials whose measurement no longer holds
-        (a partition trial not kept, or the run a kept one replaced: autotune/balance.py
-        `superseded`) share their configuration's key and are left out.
+        (a partition or knob trial not kept, or the run a kept one replaced:
+        autotune/balance.py `superseded`) share their configuration's key and are left out.
         """
         from autotune.balance import superseded
 

@@ -210,7 +210,7 @@ def gather_study(study: Study) -> StudyReport:
     measurements: dict[tuple, list[float]] = {}
     from autotune.balance import superseded
 
-    stale = superseded(trials)  # a partition trial shares the baseline's key (autotune/balance.py)
+    stale = superseded(trials)  # partition and knob trials share the baseline's key (autotune/balance.py)
     for t in trials:
         if t.status == STATUS_OK and t.samples_per_second and t.number not in stale:
             measurements.setdefault(t.config.key(), []).append(t.samples_per_second)
