@@ -115,14 +115,24 @@ class DsConfig:
             )
 
     def with_trial(self, *, micro_batch_size: int, gradient_accumulation_steps: int,
-                   data_parallel_size: int, reduce_bucket_size: int | None) -> DsConfig:
+                   data_parallel_size: int, reduce_bucket_size: int | None,
+                   activation_checkpoint_interval: int = 0) -> DsConfig:
         raw = copy.deepcopy(self.raw)
         raw["train_micro_batch_size_per_gpu"] = micro_batch_size
         raw["gradient_accumulation_steps"] = gradient_accumulation_steps
         raw["train_batch_size"] = micro_batch_size * gradient_accumulation_steps * data_parallel_size
         if reduce_bucket_size is not None:
             raw.setdefault("zero_optimization", {})["reduce_bucket_size"] = int(reduce_bucket_size)
+        if activation_checkpoint_interval > 0:  # DeepSpeed's PipelineEngine sets it on the module
+            raw.setdefault("pipeline", {})["activation_checkpoint_interval"] = int(activation_checkpoint_interval)
         return DsConfig.from_dict(raw)
+
+    @property
+    def activation_checkpoint_interval(self) -> int:
+        """`pipeline.activation_checkpoint_interval` as DeepSpeed reads it (0: the module's own)."""
+        pipeline = self.raw.get("pipeline")
+        v = pipeline.get("activation_checkpoint_interval", 0) if isinstance(pipeline, dict) else 0
+        return v if isinstance(v, int) and not isinstance(v, bool) else 0
 
     def to_dict(self) -> dict[str, Any]:
         return copy.deepcopy(self.raw)

@@ -161,6 +161,10 @@ class RunOptions:
     seed: int = option(0, "Proposer seed.", lo=0, hi=2**32 - 1, group="study")
     trial_timeout: float | None = option(None, "Seconds per trial (default: derived from the slowest "
                                          "finished trial).", lo=0, unit="s", group="study", cli_type=float)
+    checkpoint_on_oom: bool = option(True, "When a trial runs out of memory, run its configuration again with "
+                                     "activation checkpointing, and keep it if it is the fastest (built-in "
+                                     "workload; docs/tuner.md).", flag="--checkpoint-on-oom / --no-checkpoint-on-oom",
+                                     group="study")
     knobs: tuple[str, ...] = option((), "Your script's model setting as a knob: NAME[:V1,V2]=FLAG (FLAG "
                                     "with {value}, e.g. 'partition_method=--partition {value}'); "
                                     "repeatable; with a COMMAND only (docs/user-script.md).",

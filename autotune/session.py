@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 from autotune.display import ProgressDisplay
 from autotune.dsconfig import DsConfig
@@ -115,7 +116,8 @@ def tune(opts: RunOptions, display: ProgressDisplay | None = None, *,
         tuner = Tuner(study=study, runner=runner, space=space, proposer=proposer,
                       baseline=baseline, display=display, budget=opts.budget,
                       trial_timeout=opts.trial_timeout, rules_fired=fired, exporter=exporter,
-                      balancer=balancer, stop_early=not opts.full_budget)
+                      balancer=balancer, checkpointing=_checkpoint_step(opts, base, space, job, display),
+                      stop_early=not opts.full_budget)
         try:
             return tuner.run()
         finally:
@@ -124,6 +126,19 @@ def tune(opts: RunOptions, display: ProgressDisplay | None = None, *,
         if exporter is not None:
             exporter.close()
         study.close()
+
+
+def _checkpoint_step(opts: RunOptions, base: DsConfig, space: SearchSpace, job: Any, display: ProgressDisplay):
+    """The checkpoint step (autotune/checkpoint_step.py) where the model allows it: the built-in
+    workload's own model, not yet checkpointing; else None."""
+    wl = opts.workload
+    if not opts.checkpoint_on_oom or job is not None or wl.model is not None:
+        return None
+    if wl.activation_checkpoint_interval or base.activation_checkpoint_interval:
+        return None
+    from autotune.checkpoint_step import CheckpointStep
+
+    return CheckpointStep(space, display.note)
 
 
 def _cluster(opts: RunOptions, display: ProgressDisplay):

@@ -31,13 +31,19 @@ class TrialConfig:
     micro_batch_size: int
     gradient_accumulation_steps: int
     reduce_bucket_size: int | None = None
+    activation_checkpoint_interval: int = 0
+    """`pipeline.activation_checkpoint_interval` of the trial (0: as the base config says). Not a
+    dimension the proposers search: only the checkpoint step sets it (autotune/checkpoint_step.py),
+    for a micro-batch that ran out of memory without it."""
 
-    def key(self) -> tuple[int, int, int | None]:
-        return (self.micro_batch_size, self.gradient_accumulation_steps, self.reduce_bucket_size)
+    def key(self) -> tuple[int, int, int | None, int]:
+        return (self.micro_batch_size, self.gradient_accumulation_steps, self.reduce_bucket_size,
+                self.activation_checkpoint_interval)
 
     def describe(self) -> str:
         bucket = "-" if self.reduce_bucket_size is None else fmt_bucket(self.reduce_bucket_size)
-        return f"micro={self.micro_batch_size} gas={self.gradient_accumulation_steps} bucket={bucket}"
+        ckpt = f" ckpt={self.activation_checkpoint_interval}" if self.activation_checkpoint_interval else ""
+        return f"micro={self.micro_batch_size} gas={self.gradient_accumulation_steps} bucket={bucket}{ckpt}"
 
 
 def fmt_bucket(elements: int) -> str:
@@ -151,7 +157,8 @@ class SearchSpace:
             return cfg
         return TrialConfig(micro_batch_size=cfg.micro_batch_size,
                            gradient_accumulation_steps=cfg.gradient_accumulation_steps,
-                           reduce_bucket_size=self.bucket_saturation)
+                           reduce_bucket_size=self.bucket_saturation,
+                           activation_checkpoint_interval=cfg.activation_checkpoint_interval)
 
     def contains(self, cfg: TrialConfig) -> bool:
         if cfg.micro_batch_size not in self.micro_batch_sizes:

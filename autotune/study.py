@@ -42,6 +42,7 @@ CREATE TABLE IF NOT EXISTS trials (
     micro_batch_size INTEGER NOT NULL,
     gradient_accumulation_steps INTEGER NOT NULL,
     reduce_bucket_size INTEGER,
+    activation_checkpoint_interval INTEGER NOT NULL DEFAULT 0,
     samples_per_second REAL,
     failure_reason TEXT,
     failure_detail TEXT,
@@ -144,11 +145,13 @@ class Study:
         return study
 
     def _add_missing_columns(self) -> None:
-        """Studies written before `master_port` existed gain the column (format unchanged)."""
+        """Studies written before `master_port` or `activation_checkpoint_interval` existed gain
+        the column (format unchanged: an old study's trials ran with the base config's interval)."""
         have = {r[1] for r in self._db.execute("PRAGMA table_info(trials)")}
-        if "master_port" not in have:
-            with self._db:
-                self._db.execute("ALTER TABLE trials ADD COLUMN master_port INTEGER")
+        for name, decl in (("master_port", "INTEGER"), ("activation_checkpoint_interval", "INTEGER NOT NULL DEFAULT 0")):
+            if name not in have:
+                with self._db:
+                    self._db.execute(f"ALTER TABLE trials ADD COLUMN {name} {decl}")
 
     def _init(self, meta: dict[str, Any]) -> None:
         with self._db:
@@ -191,9 +194,11 @@ class Study:
         with self._db:
             cur = self._db.execute(
                 "INSERT INTO trials(number, status, source, reason, micro_batch_size, "
-                "gradient_accumulation_steps, reduce_bucket_size, started) VALUES (?,?,?,?,?,?,?,?)",
+                "gradient_accumulation_steps, reduce_bucket_size, activation_checkpoint_interval, started)"
+                " VALUES (?,?,?,?,?,?,?,?,?)",
                 (number, STATUS_RUNNING, source, reason, config.micro_batch_size,
-                 config.gradient_accumulation_steps, config.reduce_bucket_size, time.time()),
+                 config.gradient_accumulation_steps, config.reduce_bucket_size,
+                 config.activation_checkpoint_interval, time.time()),
             )
         return int(cur.lastrowid)
 
@@ -242,12 +247,13 @@ class Study:
         rows = self._db.execute(
             "SELECT id, number, status, source, reason, micro_batch_size, gradient_accumulation_steps,"
             " reduce_bucket_size, samples_per_second, failure_reason, failure_detail, summary_json,"
-            " rules_fired, started, finished, wall_seconds, pgid, master_port FROM trials ORDER BY id"
+            " rules_fired, started, finished, wall_seconds, pgid, master_port, activation_checkpoint_interval"
+            " FROM trials ORDER BY id"
         ).fetchall()
         return [
             TrialRow(id=r[0], number=r[1], status=r[2], source=r[3], reason=r[4],
                      config=TrialConfig(micro_batch_size=r[5], gradient_accumulation_steps=r[6],
-                                        reduce_bucket_size=r[7]),
+                                        reduce_bucket_size=r[7], activation_checkpoint_interval=r[18]),
                      samples_per_second=r[8], failure_reason=r[9], failure_detail=r[10],
                      summary=json.loads(r[11]) if r[11] else None,
                      rules_fired=json.loads(r[12]) if r[12] else [], started=r[13],

@@ -20,6 +20,7 @@ def trial_entry(t: TrialRow) -> dict[str, Any]:
         "micro_batch_size": t.config.micro_batch_size,
         "gradient_accumulation_steps": t.config.gradient_accumulation_steps,
         "reduce_bucket_size": t.config.reduce_bucket_size,
+        "activation_checkpoint_interval": t.config.activation_checkpoint_interval,
         "samples_per_second": t.samples_per_second, "failure_reason": t.failure_reason,
         "failure_detail": t.failure_detail, "rules_fired": t.rules_fired,
         "wall_seconds": t.wall_seconds,
@@ -67,7 +68,8 @@ def render_markdown(summary: dict[str, Any]) -> str:
     if best:
         lines.append(f"Best: trial {best['trial']}, micro {best['micro_batch_size']}, "
                      f"GAS {best['gradient_accumulation_steps']}, reduce_bucket_size "
-                     f"{best['reduce_bucket_size'] or 'not tuned'}: {best['samples_per_second']:.1f} samples/s"
+                     f"{best['reduce_bucket_size'] or 'not tuned'}{_ckpt_text(best)}: "
+                     f"{best['samples_per_second']:.1f} samples/s"
                      f" (mean of {best['measurements']} measurement(s)).")
     if base and base["samples_per_second"]:
         lines.append(f"Baseline (trial 0): {base['samples_per_second']:.1f} samples/s.")
@@ -89,7 +91,15 @@ def render_markdown(summary: dict[str, Any]) -> str:
         why = t["reason"] or ""
         if t["rules_fired"]:
             why += (" " if why else "") + "[rules fired after it: " + ", ".join(t["rules_fired"]) + "]"
-        lines.append(f"| {t['trial']} | {t['source']} | {t['micro_batch_size']} | "
+        lines.append(f"| {t['trial']} | {t['source']} | {t['micro_batch_size']}{_ckpt_text(t, short=True)} | "
                      f"{t['gradient_accumulation_steps']} | {t['reduce_bucket_size'] or '-'} | {sps} | "
                      f"{status} | {why} |")
     return "\n".join(lines) + "\n"
+
+
+def _ckpt_text(t: dict[str, Any], *, short: bool = False) -> str:
+    """The checkpoint step's trials run with activation checkpointing (autotune/checkpoint_step.py)."""
+    n = t.get("activation_checkpoint_interval") or 0
+    if not n:
+        return ""
+    return f" (ckpt {n})" if short else f", pipeline.activation_checkpoint_interval {n}"

@@ -54,6 +54,8 @@ class TrialRunner:
         if fault in CONTROLLER_FAULTS:
             return f"the injected fault {fault!r} is a launch fault: this trial runs in fresh processes"
         why = fresh_reason(ds_config, self.workload.activation_checkpoint_interval)
+        if why and not fresh_reason(self.base_config.to_dict(), self.workload.activation_checkpoint_interval):
+            return f"{why}: the checkpoint step's trials run in fresh processes"  # the others stay warm
         return f"{why}: every trial runs in fresh processes" if why else None
 
     def ds_config_for(self, config: TrialConfig) -> dict:
@@ -62,6 +64,7 @@ class TrialRunner:
             gradient_accumulation_steps=config.gradient_accumulation_steps,
             data_parallel_size=self.workload.data_parallel_size,
             reduce_bucket_size=config.reduce_bucket_size,
+            activation_checkpoint_interval=config.activation_checkpoint_interval,
         ).to_dict()
 
     def describe(self, number: int, trial_dir: Path, incumbent: tuple[float, float] | None = None) -> TrialSpec:

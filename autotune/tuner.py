@@ -87,11 +87,15 @@ class Tuner:
                  baseline: TrialConfig, display: ProgressDisplay, budget: int,
                  trial_timeout: float | None = None,
                  rules_fired: Callable[[TrialSummary], list[str]] | None = None,
-                 exporter: Any | None = None, balancer: Any | None = None, stop_early: bool = True) -> None:
+                 exporter: Any | None = None, balancer: Any | None = None, checkpointing: Any | None = None,
+                 stop_early: bool = True) -> None:
         self.study, self.runner, self.space, self.proposer = study, runner, space, proposer
         self.balancer = balancer
         """A model-setting step around the search: the partition (autotune/balance.py,
         --balance-stages) or the user's mapped knobs (autotune/usercmd/knobs.py, --knob)."""
+        self.checkpointing = checkpointing
+        """The checkpoint step: an out-of-memory micro-batch again with activation checkpointing
+        (autotune/checkpoint_step.py)."""
         self.baseline, self.display, self.budget = baseline, display, budget
         self.trial_timeout = trial_timeout
         self.rules_fired = rules_fired
@@ -156,6 +160,8 @@ class Tuner:
         interrupted = [t for t in self.study.trials() if t.status == STATUS_INTERRUPTED]
         if self.balancer is not None:
             self.balancer.replay(finished, [t for t in interrupted if t.number not in done])
+        if self.checkpointing is not None:
+            self.checkpointing.replay(finished, [t for t in interrupted if t.number not in done])
         for t in finished:  # after the replay: told as an uninterrupted run told them
             self._held[t.number] = (t.config, _result_from_row(t))
         self._tell_settled()
@@ -201,7 +207,9 @@ class Tuner:
         if not any(t.number == 0 for t in self.study.counted()) and 0 not in numbers:
             return 0, Proposal(config=self.baseline, source="baseline",
                                reason="the starting configuration, measured as the reference")
-        balanced = self.balancer.next_proposal() if self.balancer is not None else None
+        # the model-setting steps' trials first: each follows from the trial just finished
+        balanced = ((self.checkpointing.next_proposal() if self.checkpointing is not None else None)
+                    or (self.balancer.next_proposal() if self.balancer is not None else None))
         if balanced is None:
             stopped = search_stop.check(self.study, self.proposer, self.budget, enabled=self.stop_early)
             if stopped is not None:
@@ -240,6 +248,12 @@ class Tuner:
         if self.balancer is not None:
             self.balancer.after(number, proposal, outcome.result.ok, outcome.result.samples_per_second,
                                 outcome.summary)
+        if self.checkpointing is not None:
+            earlier = [t.samples_per_second for t in self.study.counted()
+                       if t.number != number and t.status == STATUS_OK and t.samples_per_second]
+            self.checkpointing.after(number, cfg, proposal.source, outcome.result.ok,
+                                     outcome.result.failure_reason, outcome.result.samples_per_second,
+                                     max(earlier) if earlier else None)
         self._held[number] = (cfg, outcome.result)
         self._tell_settled()
         best = self.study.best()
@@ -267,7 +281,8 @@ class Tuner:
         A partition (or knob) trial runs the baseline's configuration with other parts: the proposer
         must see that configuration once, with the measurement that holds for the partition
         later trials run (a failed or slower partition trial is not a run of the baseline's
-        configuration; a kept one replaces the baseline's run)."""
+        configuration; a kept one replaces the baseline's run). Checkpointed trials are never
+        told: the proposers' encoding has no checkpoint interval (autotune/checkpoint_step.py)."""
         if getattr(self.balancer, "deciding", False):
             return
         from autotune.balance import superseded
@@ -275,7 +290,7 @@ class Tuner:
         stale = superseded(self.study.counted())
         for n in sorted(self._held):
             cfg, result = self._held.pop(n)
-            if n not in stale:
+            if n not in stale and not cfg.activation_checkpoint_interval:
                 self.proposer.tell(cfg, result)
 
     def _incumbent(self, proposal: Proposal) -> tuple[float, float] | None:

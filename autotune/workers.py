@@ -44,9 +44,12 @@ POOLS_DIR = "workers"
 """The pools' folder inside a study (next to the trial folders)."""
 POLL_SECONDS = 0.02
 WORKER_MODES = ("warm", "fresh")
-MAX_JOBS_PER_POOL = 200
-"""Each trial's PipelineModule creates gloo groups DeepSpeed never destroys (about 26 file
-descriptors per rank per trial on the 4-rank demo): a pool is recycled before they add up."""
+MAX_JOBS_PER_POOL = 24
+"""Trials per pool before it is recycled. Each trial's PipelineModule creates gloo groups that
+DeepSpeed never destroys; the rank destroys them after the trial (autotune/workload/groups.py),
+but about 4 gloo threads per rank per trial still outlive it (the trial's grid stays referenced),
+and on the 4-rank demo a pool's idle CPU grew to a quarter of a core over 24 trials. A new
+pool costs one launch (20-30 s here), a small share of 24 trials."""
 
 TUNED_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 """Top-level ds_config keys a trial may change in a warm pool (plus the ZeRO bucket)."""
@@ -69,7 +72,9 @@ def describe_change(old: dict, new: dict) -> str:
 
 def fresh_reason(ds_config: dict, activation_checkpoint_interval: int) -> str | None:
     """Why a study's trials cannot run in warm workers at all (None: they can)."""
-    if activation_checkpoint_interval > 0 or "activation_checkpointing" in ds_config:
+    pipeline = ds_config.get("pipeline")
+    from_config = pipeline.get("activation_checkpoint_interval", 0) if isinstance(pipeline, dict) else 0
+    if activation_checkpoint_interval > 0 or "activation_checkpointing" in ds_config or from_config:
         return ("activation checkpointing keeps DeepSpeed state in module globals between engines "
                 "(deepspeed/runtime/activation_checkpointing/checkpointing.py)")
     return None
@@ -278,7 +283,7 @@ def clean_up_pools(pools: Path) -> None:
 def _write_memory_record(trial_dir: Path, answers: list[dict], *, job: int) -> None:
     """trial-NNN/worker-memory.json: each rank's memory before the trial's engine and after its release."""
     ranks = [{k: a.get(k) for k in ("rank", "rss_before_bytes", "rss_after_bytes", "device_before_bytes",
-                                     "device_after_bytes", "open_fds", "seconds")} for a in answers]
+                                     "device_after_bytes", "open_fds", "threads", "process_groups", "seconds")} for a in answers]
     _write_atomic(trial_dir / "worker-memory.json", {"mode": "warm", "job_in_pool": job, "ranks": ranks})
 
 

@@ -73,6 +73,10 @@ def test_warm_trials_succeed_in_one_pool(warm_and_fresh):
     assert memory["mode"] == "warm" and memory["job_in_pool"] == 2
     for r in memory["ranks"]:  # released: the third engine did not leave the process bigger by much
         assert r["rss_after_bytes"] - r["rss_before_bytes"] < 64 * 2**20, r
+    # each trial's process groups are destroyed with it (autotune/workload/groups.py): left alive,
+    # their gloo threads made a long-lived pool's trials slower
+    first = json.loads((root / "warm-0" / "worker-memory.json").read_text())
+    assert [r["process_groups"] for r in memory["ranks"]] == [r["process_groups"] for r in first["ranks"]]
 
 
 def test_warm_and_fresh_train_the_same_model_on_the_same_data(warm_and_fresh):

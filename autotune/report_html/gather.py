@@ -35,6 +35,7 @@ KNOB_LABELS = {
     "micro_batch_size": "micro-batch size",
     "gradient_accumulation_steps": "gradient accumulation steps",
     "reduce_bucket_size": "reduce_bucket_size (elements)",
+    "activation_checkpoint_interval": "activation checkpoint interval (layers)",
 }
 
 
@@ -254,7 +255,9 @@ def _knobs(trials: list[TrialRow], space: dict[str, Any]) -> list[str]:
     out = []
     for name in names:
         values = {getattr(t.config, name) for t in trials}
-        searched = name != "reduce_bucket_size" or space.get("bucket_range") is not None
+        # the checkpoint interval is set by the checkpoint step, not searched: shown once it varies
+        searched = (name == "reduce_bucket_size" and space.get("bucket_range") is not None
+                    or name in ("micro_batch_size", "gradient_accumulation_steps"))
         if len(values - {None}) > 1 or (searched and values - {None}):
             out.append(name)
     return out

@@ -125,7 +125,9 @@ def _bucket(v: int | None) -> str:
 
 def _config_text(c: TrialConfig) -> str:
     text = f"micro {c.micro_batch_size}, GAS {c.gradient_accumulation_steps}"
-    return text + (f", bucket {_bucket(c.reduce_bucket_size)}" if c.reduce_bucket_size is not None else "")
+    text += f", bucket {_bucket(c.reduce_bucket_size)}" if c.reduce_bucket_size is not None else ""
+    return text + (f", activation checkpointing every {c.activation_checkpoint_interval} layer(s)"
+                   if c.activation_checkpoint_interval else "")
 
 
 def _duration(seconds: float) -> str:
@@ -220,7 +222,7 @@ def _facts(r: StudyReport) -> str:
     repeated = {k: v for k, v in r.measurements.items() if len(v) > 1}
     if repeated:
         rows.append(("Re-measured", "; ".join(
-            f"{_config_text(TrialConfig(micro_batch_size=k[0], gradient_accumulation_steps=k[1], reduce_bucket_size=k[2]))}: "
+            f"{_config_text(TrialConfig(micro_batch_size=k[0], gradient_accumulation_steps=k[1], reduce_bucket_size=k[2], activation_checkpoint_interval=k[3]))}: "
             + ", ".join(f"{x:.0f}" for x in v) + " samples/s" for k, v in repeated.items())))
     body = "".join(f"<dt>{escape(a)}</dt><dd>{escape(b)}</dd>" for a, b in rows)
     return f'<dl class="facts">{body}</dl>'
@@ -235,7 +237,8 @@ def _diff(r: StudyReport) -> str:
     knob_rows = "".join(
         f"<tr><td>{escape(KNOB_LABELS.get(k, k))}</td><td class=num>{escape(_val(getattr(r.baseline.config, k), k))}"
         f"</td><td class=num>{escape(_val(getattr(r.best.config, k), k))}</td></tr>"
-        for k in ("micro_batch_size", "gradient_accumulation_steps", "reduce_bucket_size")
+        for k in ("micro_batch_size", "gradient_accumulation_steps", "reduce_bucket_size",
+                  "activation_checkpoint_interval")
         if getattr(r.baseline.config, k) != getattr(r.best.config, k))
     table = (f'<div class="table"><table><tr><th>knob</th><th>starting</th><th>best</th></tr>{knob_rows}'
              "</table></div>")

@@ -105,6 +105,10 @@ def build_pipeline_module(preset: ModelPreset, *, stages: int, partition_method:
         layers=specs, num_stages=stages, loss_fn=cross_entropy_loss,
         partition_method=partition_method,
         activation_checkpoint_interval=activation_checkpoint_interval,
+        # DeepSpeed's default checkpoints every layer with parameters, the embedding too, and its
+        # reentrant checkpoint cannot take integer token ids (runtime/pipe/module.py
+        # `_is_checkpointable`; the trial crashed here). Only the decoder layers are checkpointed.
+        checkpointable_layers=[DecoderLayerPipe.__name__],
         base_seed=seed,
     )
     return module

@@ -76,6 +76,7 @@ def run_trial(spec: TrialSpec, *, release: bool = False) -> TrialRun:
     from autotune.faults import inject_rank_fault
     from autotune.instrument import instrument
     from autotune.step_budget import follow_probe
+    from autotune.workload import groups as process_groups
     from autotune.workload.data import batches, load_token_file, synthetic_tokens
     from autotune.workload.model import build_pipeline_module
     from autotune.workload.presets import get_preset
@@ -86,6 +87,7 @@ def run_trial(spec: TrialSpec, *, release: bool = False) -> TrialRun:
     if spec.fault == "nometrics":  # testing seam: no step, no metrics
         return TrialRun(exit_code=0, losses=losses)
     preset = get_preset(wl.preset)
+    groups_before = process_groups.existing() if release else set()
     torch.manual_seed(wl.seed)  # the same seed in every trial, warm or fresh: the same model and data
     user_batches = None
     if wl.model:  # the user's own PipelineModule (autotune/workload/user_model.py)
@@ -142,6 +144,8 @@ def run_trial(spec: TrialSpec, *, release: bool = False) -> TrialRun:
                 probe.uninstall()
             engine.destroy()
             del engine, module, probe
+            gc.collect()  # DeepSpeed's cycles that still hold the trial's groups
+            process_groups.destroy(process_groups.existing() - groups_before)  # their gloo threads end
             release_memory()
 
 

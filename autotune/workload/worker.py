@@ -110,6 +110,14 @@ def exit_now(rank: int, pool: Path | None = None) -> None:
     os._exit(0)
 
 
+def process_groups() -> int:
+    """Process groups alive in this rank (the default one included): constant from trial to trial
+    once each trial's groups are destroyed (autotune/workload/groups.py)."""
+    from autotune.workload.groups import existing
+
+    return len(existing())
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     pool = Path(args.pool)
@@ -139,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
                 "trial": spec.trial, "rank": rank, "seconds": time.monotonic() - started,
                 "rss_before_bytes": rss_before, "rss_after_bytes": rss_bytes(),
                 "device_before_bytes": dev_before, "device_after_bytes": device_bytes(),
-                "open_fds": len(os.listdir("/proc/self/fd")), "losses": run.losses,
+                "open_fds": len(os.listdir("/proc/self/fd")), "threads": len(os.listdir("/proc/self/task")),
+                "process_groups": process_groups(), "losses": run.losses,
             })
             k += 1
     finally:
