@@ -152,3 +152,9 @@ def test_launch_noise(tmp_path):
     out = run([sys.executable, "benchmarks/launch_noise.py", "--quick", "--out", str(tmp_path)], timeout=900)
     figure(out, r"^fresh: within-trial ±([\d.]+) %", 0.0, 1000)
     figure(out, r"^warm: within-trial ±[\d.]+ %, between launches CV ([\d.]+) %", 0.0, 1000)
+
+
+def test_pool_drift():
+    out = run([sys.executable, "benchmarks/pool_drift.py", "--quick"], timeout=900)
+    figure(out, r"^run 1: last third / first third \(medians\): ([\d.]+)", 0.05, 20)
+    assert re.search(r"process groups per rank \[\d+(, \d+)*\]", out), out
