@@ -170,11 +170,13 @@ def test_only_out_of_memory_calls_for_it_and_no_configuration_twice_nor_more_tha
     assert step.next_proposal().config.activation_checkpoint_interval == 1
     step.after(2, cfg, "explore", False, "oom", None, 10.0)  # the same micro-batch again
     assert step.next_proposal() is None
-    for m, n in ((16, 3), (32, 4), (2, 5)):
+    assert MAX_TRIALS == 3
+    for m, n, expected in ((16, 3, True), (32, 4, True), (2, 5, False)):  # the 4th is over the cap
         step.after(n, TrialConfig(micro_batch_size=m, gradient_accumulation_steps=32 // m), "explore", False,
                    "oom", None, 10.0)
         planned = step.next_proposal()
-        assert (planned is not None) == (len(step.tried) <= MAX_TRIALS and m != 2), (m, planned)
+        assert (planned is not None) == expected, (m, planned)
+    assert len(step.tried) == MAX_TRIALS
 
 
 def test_the_interval_is_stored_read_back_and_added_to_an_older_study(tmp_path):
