@@ -129,13 +129,17 @@ class DsConfig:
 
     @property
     def activation_checkpoint_interval(self) -> int:
-        """`pipeline.activation_checkpoint_interval` as DeepSpeed reads it (0: the module's own)."""
-        pipeline = self.raw.get("pipeline")
-        v = pipeline.get("activation_checkpoint_interval", 0) if isinstance(pipeline, dict) else 0
-        return v if isinstance(v, int) and not isinstance(v, bool) else 0
+        return checkpoint_interval(self.raw)
 
     def to_dict(self) -> dict[str, Any]:
         return copy.deepcopy(self.raw)
+
+
+def checkpoint_interval(raw: dict) -> int:
+    """`pipeline.activation_checkpoint_interval` of a raw config as DeepSpeed reads it (0: the module's own)."""
+    pipeline = raw.get("pipeline")
+    v = pipeline.get("activation_checkpoint_interval", 0) if isinstance(pipeline, dict) else 0
+    return v if isinstance(v, int) and not isinstance(v, bool) else 0
 
 
 def _pos_int(d: dict, key: str, source: str, prefix: str = "") -> int | None:

@@ -72,9 +72,9 @@ def describe_change(old: dict, new: dict) -> str:
 
 def fresh_reason(ds_config: dict, activation_checkpoint_interval: int) -> str | None:
     """Why a study's trials cannot run in warm workers at all (None: they can)."""
-    pipeline = ds_config.get("pipeline")
-    from_config = pipeline.get("activation_checkpoint_interval", 0) if isinstance(pipeline, dict) else 0
-    if activation_checkpoint_interval > 0 or "activation_checkpointing" in ds_config or from_config:
+    from autotune.dsconfig import checkpoint_interval
+
+    if activation_checkpoint_interval > 0 or "activation_checkpointing" in ds_config or checkpoint_interval(ds_config):
         return ("activation checkpointing keeps DeepSpeed state in module globals between engines "
                 "(deepspeed/runtime/activation_checkpointing/checkpointing.py)")
     return None

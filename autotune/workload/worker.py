@@ -110,18 +110,11 @@ def exit_now(rank: int, pool: Path | None = None) -> None:
     os._exit(0)
 
 
-def process_groups() -> int:
-    """Process groups alive in this rank (the default one included): constant from trial to trial
-    once each trial's groups are destroyed (autotune/workload/groups.py)."""
-    from autotune.workload.groups import existing
-
-    return len(existing())
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     pool = Path(args.pool)
     rank = int(os.environ.get("RANK", "0"))
+    from autotune.workload.groups import existing as process_groups
     from autotune.workload.train import run_trial, setup_process
     from autotune.workload.trial_spec import TrialSpec
 
@@ -148,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
                 "rss_before_bytes": rss_before, "rss_after_bytes": rss_bytes(),
                 "device_before_bytes": dev_before, "device_after_bytes": device_bytes(),
                 "open_fds": len(os.listdir("/proc/self/fd")), "threads": len(os.listdir("/proc/self/task")),
-                "process_groups": process_groups(), "losses": run.losses,
+                "process_groups": len(process_groups()), "losses": run.losses,  # constant: groups.py
             })
             k += 1
     finally:
