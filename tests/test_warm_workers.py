@@ -77,6 +77,11 @@ def test_warm_trials_succeed_in_one_pool(warm_and_fresh):
     # their gloo threads made a long-lived pool's trials slower
     first = json.loads((root / "warm-0" / "worker-memory.json").read_text())
     assert [r["process_groups"] for r in memory["ranks"]] == [r["process_groups"] for r in first["ranks"]]
+    # and no rank keeps a trial's engine (train.drop_autograd_graphs): the last stage's did, with
+    # its grid's gloo threads (15 more after every trial) and its parameters
+    grown = [(a["rank"], a["threads"], b["threads"]) for a, b in zip(first["ranks"], memory["ranks"], strict=True)
+             if b["threads"] > a["threads"]]
+    assert not grown, f"threads after trial 0 and after trial 2, by rank: {grown}"
 
 
 def test_warm_and_fresh_train_the_same_model_on_the_same_data(warm_and_fresh):

@@ -143,6 +143,7 @@ def run_trial(spec: TrialSpec, *, release: bool = False) -> TrialRun:
                     probe.close_sinks()
                 probe.uninstall()
             engine.destroy()
+            drop_autograd_graphs(engine)
             del engine, module, probe
             gc.collect()  # DeepSpeed's cycles that still hold the trial's groups
             process_groups.destroy(process_groups.existing() - groups_before)  # their gloo threads end
@@ -209,6 +210,31 @@ def _train(spec: TrialSpec, engine, data, rank: int, losses: list[float], inject
     if rank == 0:
         write_record(budget, os.path.dirname(spec.metrics_csv))
     return 0
+
+
+def drop_autograd_graphs(engine) -> None:
+    """Let go of the engine's tensors that still hold an autograd graph (on the last stage,
+    `pipe_buffers` and `loss`).
+
+    DeepSpeed hooks every forward output (`register_output_backward_hooks`) with closures over
+    the engine's bound methods. The hook lives in the graph's C++ nodes, where the cycle
+    collector cannot see it, so engine -> tensor -> graph -> hook -> engine is never freed:
+    the last stage's engine, with its parameters, optimizer state, grid and the grid's gloo
+    threads (15 a trial), outlived every trial of a warm worker."""
+    import torch
+
+    def holds_graph(value, depth: int = 0) -> bool:
+        if isinstance(value, torch.Tensor):
+            return value.grad_fn is not None
+        if depth < 3 and isinstance(value, (list, tuple)):
+            return any(holds_graph(v, depth + 1) for v in value)
+        if depth < 3 and isinstance(value, dict):
+            return any(holds_graph(v, depth + 1) for v in value.values())
+        return False
+
+    for name, value in list(vars(engine).items()):
+        if holds_graph(value):
+            setattr(engine, name, None)
 
 
 def release_memory() -> None:
