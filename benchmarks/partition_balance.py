@@ -29,9 +29,10 @@ one pool of warm workers (autotune/workers.py) by ~4 %. A pool is keyed by the d
 only (`workers.pool_key`) and every trial builds a fresh PipelineModule from its own trial
 description (autotune/workload/train.py), so all the partitions of one stage count run one
 after the other in ONE pool, as the tuner's partition step runs them (autotune/balance.py
-swaps the runner's workload the same way). In warm mode the rounds run without the
-layer-cost hooks (the throughput a user gets); `--fresh` keeps them on in every trial and
-prints their overhead from one extra pair (noisy).
+swaps the runner's workload the same way); a pool is recycled after MAX_JOBS_PER_POOL trials,
+never in the middle of a round, so both sides of a paired ratio ran in one pool. In warm
+mode the rounds run without the layer-cost hooks (the throughput a user gets); `--fresh`
+keeps them on in every trial and prints their overhead from one extra pair (noisy).
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ from autotune.pipeline_parts import method_for
 from autotune.space import TrialConfig
 from autotune.summary import summarize_trial
 from autotune.trial import TrialRunner
+from autotune.workers import MAX_JOBS_PER_POOL
 from autotune.workload.trial_spec import SPEC_NAME, TrialSpec
 
 BUILT_IN = ("parameters", "uniform")
@@ -102,6 +104,9 @@ class FreshTrials:
         records = [r for p in sorted(folder.glob("metrics-rank*.csv")) for r in read_metrics_csv(p)]
         return folder, figures(summarize_trial(records))
 
+    def round_starts(self, trials: int) -> None:
+        pass
+
     def close(self) -> None:
         pass
 
@@ -131,6 +136,15 @@ class WarmTrials:
             raise SystemExit(f"trial {name} ({self.stages} stages) failed: {outcome.result.failure_reason}: "
                              f"{outcome.failure_detail}; see {folder / 'launcher.log'}")
         return folder.resolve(), figures(outcome.summary)
+
+    def round_starts(self, trials: int) -> None:
+        """A round's trials run in one pool: recycled now if it would be recycled during the round
+        (a new pool can read 10-20 % faster than an old one, which would bias the paired ratios)."""
+        warm = self.runner.warm
+        if warm is not None and warm.pool is not None and warm.pool.jobs + trials > MAX_JOBS_PER_POOL:
+            print(f"      warm workers: {warm.pool.jobs} trials in this pool; the next round starts a new one",
+                  flush=True)
+            warm.close()
 
     def close(self) -> None:
         warm = self.runner.warm
@@ -191,6 +205,7 @@ def run_stage_count(stages: int, args: argparse.Namespace, root: Path) -> tuple[
                 method_parts["refined"] = refined
         got: dict[str, list[dict]] = {name: [] for name in methods}
         for r in range(args.rounds):
+            trials.round_starts(len(methods))
             for name in rotated(list(methods), r):
                 _, fig = trials(f"{name}-{r}", methods[name], hooks_in_rounds)
                 got[name].append(fig)

@@ -3,7 +3,8 @@
 One configuration of the tiny demo (4 stages x 1 dp, micro 2, GAS 8) run `--trials` times in
 one pool of warm workers (autotune/workers.py), the pool recycled after MAX_JOBS_PER_POOL
 trials as in a run. Before autotune/workload/groups.py each trial left its process groups,
-and their gloo threads, alive: 30 trials read 96.8 samples/s at first and 50-65 after 20.
+and their gloo threads, alive: 30 trials read 96.8 samples/s at first and 50-65 after 20; and
+the last rank kept every trial's engine until train.drop_autograd_graphs (docs/warm-workers.md).
 
     .venv/bin/python benchmarks/pool_drift.py [--trials 30] [--repeats 2]
     .venv/bin/python benchmarks/pool_drift.py --quick    # CI smoke run: 3 trials
