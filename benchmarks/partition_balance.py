@@ -5,7 +5,7 @@ and the throughput at least that of the best of DeepSpeed's built-in methods
 (`parameters`, `uniform`), all measured in the same run.
 
 Run (CPU, real DeepSpeed processes, one rank per stage):
-    nice -n 5 .venv/bin/python benchmarks/partition_balance.py --stages 4 2 --rounds 5 --refine
+    nice -n 5 .venv/bin/python benchmarks/partition_balance.py --stages 2 4 --rounds 7 --refine
 (`--quick`: 2 stages, one round of few steps: a smoke run whose figures are noise;
 `--refine`: also the tuner's second round, parts re-solved from a balanced trial's costs;
 `--fresh`: every trial a new DeepSpeed launch, the benchmark's first way.)
