@@ -48,8 +48,8 @@ MAX_JOBS_PER_POOL = 200
 """Trials per pool before it is recycled: a bound on what a rank may still gather over many
 trials. Two leaks made a pool age, and both are fixed: each trial's process groups
 (autotune/workload/groups.py) and the last stage's engine (`train.drop_autograd_graphs`).
-Measured over 24 trials of the 4-rank demo (benchmarks/pool_drift.py): threads and open
-files per rank constant, RSS +3 MB, throughput flat. A new pool costs one launch (20-30 s here)."""
+Measured over 80 trials in one pool of the 4-rank demo (benchmarks/pool_drift.py): threads
+and open files per rank constant, RSS +5 MB. A new pool costs one launch (20-30 s here)."""
 
 TUNED_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 """Top-level ds_config keys a trial may change in a warm pool (plus the ZeRO bucket)."""

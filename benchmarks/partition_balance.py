@@ -105,7 +105,7 @@ class FreshTrials:
         return folder, figures(summarize_trial(records))
 
     def round_starts(self, trials: int) -> None:
-        pass
+        pass  # a launch per trial: no pool to recycle
 
     def close(self) -> None:
         pass
