@@ -75,10 +75,12 @@ def ds_config(micro: int, gas: int) -> dict:
 
 
 def figures(s) -> dict:
-    """The figures of one trial's summary this benchmark compares."""
+    """The figures of one trial's summary this benchmark compares (`work`: the stages' summed work
+    per step; with more ranks than cores, throughput follows it, not the slowest stage)."""
     return {"samples_per_second": s.samples_per_second,
             "imbalance": s.stage_work_imbalance if s.stage_work_imbalance is not None else s.stage_compute_imbalance,
-            "wall_imbalance": s.stage_compute_imbalance}
+            "wall_imbalance": s.stage_compute_imbalance,
+            "work": sum(s.stage_work_seconds) if s.stage_work_seconds else math.nan}
 
 
 class FreshTrials:
@@ -221,11 +223,12 @@ def report(stages: int, got: dict[str, list[dict]], method_parts: dict[str, list
            hooks_off_sps: float | None) -> tuple[bool, list[str]]:
     sps = {name: [x["samples_per_second"] for x in runs] for name, runs in got.items()}
     med = {name: {k: statistics.median(x[k] for x in runs)
-                  for k in ("samples_per_second", "imbalance", "wall_imbalance")}
+                  for k in ("samples_per_second", "imbalance", "wall_imbalance", "work")}
            for name, runs in got.items()}
     for name, m in med.items():
         print(f"  {name:10s} {str(method_parts[name]):20s} imbalance {m['imbalance']:.2f} "
-              f"(wall time {m['wall_imbalance']:.2f})  samples/s {m['samples_per_second']:.1f} "
+              f"(wall time {m['wall_imbalance']:.2f}), stages' work {m['work']:.3f} s/step  "
+              f"samples/s {m['samples_per_second']:.1f} "
               f"(min-max {min(sps[name]):.1f}-{max(sps[name]):.1f}, spread {100 * spread(sps[name]):.0f} %)")
     best = max(BUILT_IN, key=lambda n: med[n]["samples_per_second"])
     ratio = med["balanced"]["samples_per_second"] / med[best]["samples_per_second"]

@@ -7,11 +7,12 @@ and their gloo threads, alive: 30 trials read 96.8 samples/s at first and 50-65 
 the last rank kept every trial's engine until train.drop_autograd_graphs (docs/warm-workers.md).
 
     .venv/bin/python benchmarks/pool_drift.py [--trials 30] [--repeats 2]
+    .venv/bin/python benchmarks/pool_drift.py --preset wide-vocab --stages 2 --trials 5 --repeats 1
     .venv/bin/python benchmarks/pool_drift.py --quick    # CI smoke run: 3 trials
 
-Per run it prints every trial's samples/s, the first pool's threads and process groups per
-rank after its last trial (worker-memory.json), and the ratio of the last third's median to the
-first third's. A ratio near 1 with groups constant is a pool that does not age; this
+Per run it prints every trial's samples/s, the first pool's threads, open files, RSS and
+process groups per rank after its first and its last trial (worker-memory.json), and the
+ratio of the last third's median to the first third's. A ratio near 1 with groups constant is a pool that does not age; this
 shared 2-core machine moves by +-30 % between runs, so read the trend, not one trial.
 """
 
@@ -38,8 +39,8 @@ CONFIG = {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 2, "gradient
           "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}, "steps_per_print": 10**9}
 
 
-def one_run(trials: int, steps: int, root: Path) -> list[float]:
-    wl = WorkloadOptions(preset="tiny", pipeline_stages=4, data_parallel_size=1, steps=steps, warmup_steps=2)
+def one_run(trials: int, steps: int, root: Path, preset: str = "tiny", stages: int = 4) -> list[float]:
+    wl = WorkloadOptions(preset=preset, pipeline_stages=stages, data_parallel_size=1, steps=steps, warmup_steps=2)
     runner = TrialRunner(wl, DsConfig.from_dict(CONFIG))
     cfg = TrialConfig(micro_batch_size=2, gradient_accumulation_steps=8)
     out = []
@@ -59,19 +60,22 @@ def main() -> int:
     ap.add_argument("--trials", type=int, default=30)
     ap.add_argument("--repeats", type=int, default=2, help="runs, each in new pools")
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--preset", default="tiny")
+    ap.add_argument("--stages", type=int, default=4)
     ap.add_argument("--quick", action="store_true", help="3 trials, 1 run, 3 steps: a smoke run")
     args = ap.parse_args()
     if args.quick:
         args.trials, args.repeats, args.steps = 3, 1, 3
     for rep in range(args.repeats):
         root = Path(tempfile.mkdtemp(prefix="pool-drift-"))
-        sps = one_run(args.trials, args.steps, root)
+        sps = one_run(args.trials, args.steps, root, args.preset, args.stages)
         print(f"run {rep + 1}: " + " ".join(f"{x:.1f}" for x in sps))
         last = min(args.trials, MAX_JOBS_PER_POOL)  # the first pool's last trial
-        memory = json.loads((root / f"t{last - 1:03d}" / "worker-memory.json").read_text())
-        print(f"run {rep + 1}: after {last} trials in one pool: threads per rank "
-              f"{[r['threads'] for r in memory['ranks']]}, process groups per rank "
-              f"{[r['process_groups'] for r in memory['ranks']]}")
+        for n in sorted({1, last}):
+            ranks = json.loads((root / f"t{n - 1:03d}" / "worker-memory.json").read_text())["ranks"]
+            print(f"run {rep + 1}: after {n} trial(s) in one pool, per rank: threads {[r['threads'] for r in ranks]}, "
+                  f"open files {[r['open_fds'] for r in ranks]}, RSS MB {[round(r['rss_after_bytes'] / 2**20) for r in ranks]}, "
+                  f"process groups per rank {[r['process_groups'] for r in ranks]}")
         third = max(1, len(sps) // 3)
         ratio = statistics.median(sps[-third:]) / statistics.median(sps[:third])
         print(f"run {rep + 1}: last third / first third (medians): {ratio:.2f}")
