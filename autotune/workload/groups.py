@@ -37,7 +37,7 @@ def destroy(groups: set[Any]) -> int:
             continue
         try:
             dist.destroy_process_group(pg)
-        except (RuntimeError, ValueError):  # left as it was: the pool is recycled in time anyway
+        except (RuntimeError, ValueError):  # left as it was: MAX_JOBS_PER_POOL bounds what stays
             continue
         n += 1
     return n
