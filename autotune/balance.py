@@ -1,35 +1,48 @@
 """The partition step of a tuning run (`autotune run --balance-stages`).
 
-The partition is a model setting, not a ds_config key, and one good partition serves
-every micro-batch and GAS, so it is not a dimension of the Bayesian space. It is one
-decision, taken once:
+The partition is a model setting, not a ds_config key, so it is not a dimension of the
+Bayesian space. It is decided in rounds, each at one configuration (its micro-batch, GAS
+and bucket), each from layer costs measured at that configuration:
 
 1. the baseline trial runs with the layer-cost hooks on (autotune/layer_costs.py);
-2. when its measured stage compute imbalance is above `THRESHOLD`, the next trial runs
-   the baseline's configuration with the parts autotune/partition.py computes from
-   those costs (`parts:` method, autotune/pipeline_parts.py; for a user's command the
-   bootstrap forces the parts on the script's PipelineModule), hooks on again so the two
-   trials cost the same to measure;
-3. when that trial is faster, every later trial keeps the parts; otherwise the study's
-   own partition method comes back. When the kept trial is still above `THRESHOLD`
-   (layer costs measured on one partition do not carry exactly to another: a stage's
-   neighbours and its share of the cores change), its own layer costs give one more
-   candidate, up to `MAX_ROUNDS` partition trials.
+2. when its measured stage work imbalance is above `THRESHOLD`, the next trial runs the
+   baseline's configuration with the parts autotune/partition.py computes from those
+   costs (`parts:` method, autotune/pipeline_parts.py; for a user's command the bootstrap
+   forces the parts on the script's PipelineModule), hooks on again so the two trials cost
+   the same to measure;
+3. when that trial is faster, every later trial keeps the parts; otherwise the partition
+   in force stays. When the kept trial is still above `THRESHOLD` (layer costs measured on
+   one partition do not carry exactly to another: a stage's neighbours and its share of
+   the cores change), its own layer costs give one more candidate;
+4. imbalance grows with the micro-batch (the per-stage fixed work, the optimizer step and
+   the transfers, weighs less against the layers' work), so a baseline balanced at a small
+   micro-batch says little about the configuration the search ends at. When a search trial
+   becomes the best so far above `THRESHOLD`, its configuration runs once more with the
+   hooks on (`COSTS`), and a round as in 2-3 follows at that configuration, judged against
+   that hooked run.
 
-The decision is written to `STUDY/partition.json` (the parts, both throughputs, which
-layers moved, what to write in the user's own code) and rebuilt from the study's trial
-folders on resume, so a resumed study takes the same decision without re-measuring.
+A round is judged on one pair of trials, unless the pair lies within the noise margin:
+then both run once more, in the order A B B A (the partition in force, the candidate, the
+candidate again `RECHECK`, the partition in force again `REFERENCE`), which cancels a
+steady drift of the machine's speed, and the means decide. At most `MAX_ROUNDS` rounds.
 
-The partition trial runs the baseline's TrialConfig, so the study's history key
-(micro-batch, GAS, bucket) cannot tell the two apart. Left alone, `Study.best()` averaged
-them as two runs of one configuration (a rejected partition dragged the baseline's mean
-down and was named the best trial; a kept one was averaged with the partition it
-replaced), and the proposer was told a failed partition trial as a failure of the
-baseline configuration (which drops it from the proposer's means and teaches the
-memory model a false failure). `superseded()` names the trials whose measurement does
-not hold for the partition the study runs from then on; `Study.best()`, the report and
-the tuner's proposer leave them out, and the tuner tells the proposer the baseline's key
-once, with the measurement that holds, after the decision (`deciding`).
+The decision is written to `STUDY/partition.json` (each round: its configuration, the
+parts, the throughputs, which layers moved; what to write in the user's own code) and
+rebuilt from the study's trials on resume, so a resumed study takes the same decision
+without re-measuring.
+
+A round's trials run one configuration with other parts, so the study's history key
+(micro-batch, GAS, bucket) cannot tell them apart. Left alone, `Study.best()` averaged
+them as runs of one configuration (a rejected partition dragged the baseline's mean down
+and was named the best trial; a kept one was averaged with the partition it replaced),
+and the proposer was told a failed partition trial as a failure of the configuration
+(which drops it from the proposer's means and teaches the memory model a false failure).
+`superseded()` names the trials whose measurement does not hold for the partition the
+study runs from then on; `Study.best()`, the report and the tuner's proposer leave them
+out, and the tuner tells the proposer the round's configuration once, with the
+measurement that holds, after the decision (`deciding`). Trials of other configurations
+measured before a later round was kept keep their measurement (they ran with the parts
+then in force); partition.json names the round each kept parts came from.
 """
 
 from __future__ import annotations
@@ -42,14 +55,17 @@ from typing import Any
 
 from autotune.errors import UserError
 from autotune.fileio import write_atomic
+from autotune.measurements import COSTS, HOOKED, OWN_SOURCES, RECHECK, REFERENCE, SOURCE
+from autotune.measurements import mean as _mean
 from autotune.proposers.base import Proposal
 from autotune.space import TrialConfig
 
 THRESHOLD = 1.10
 """Stage work imbalance (max / mean, `work_imbalance`) above which the partition trial runs (the goal of issue 13)."""
-MAX_ROUNDS = 2
-"""Partition trials at most in one study."""
-SOURCE = "partition"
+MAX_ROUNDS = 3
+"""Rounds (candidate partitions measured) at most in one study."""
+NOISE = 0.10
+"""The margin within which a round's pair is measured once more (HybridProposer.noise's default)."""
 RESULT_NAME = "partition.json"
 
 
@@ -58,41 +74,6 @@ def work_imbalance(summary: Any) -> float:
     where wall time also holds each rank's wait for a core; CUDA events on a GPU)."""
     work = getattr(summary, "stage_work_imbalance", None)
     return float(work if work is not None else summary.stage_compute_imbalance)
-
-
-def superseded(trials: list[Any]) -> set[int]:
-    """Numbers of the trials whose measurement does not hold for the study's partition.
-
-    From the trial rows alone (number, source, status, samples_per_second), with the rule
-    `_decide` applies: a partition trial is kept when it succeeds faster than the
-    measurement it would replace (the baseline's, or an earlier kept round's). Superseded:
-    every partition trial not kept (failed ones too: the failure belongs to the parts, not
-    to the configuration) and, once one is kept, the measurement it replaced. Only the
-    baseline and partition trials can be; every other trial runs the partition in force.
-
-    A knob trial of a user's script (`--knob`, usercmd/knobs.py: source `knob:NAME=VALUE`)
-    is the same case, another model setting at the baseline's key, and `KnobSweep` keeps a
-    value by the same rule (faster than the measurement in force), so it is judged here too.
-    """
-    from autotune.usercmd.knobs import SOURCE_PREFIX as KNOB
-
-    def at_baseline_key(source: str) -> bool:
-        return source in ("baseline", SOURCE) or source.startswith(KNOB)
-
-    out: set[int] = set()
-    current: Any = None
-    for t in sorted((t for t in trials if at_baseline_key(t.source) and t.status in ("ok", "failed")),
-                    key=lambda t: t.number):
-        if t.source == "baseline":
-            current = t if t.status == "ok" else None
-            continue
-        best = float(current.samples_per_second or 0.0) if current is not None else None
-        if best is not None and t.status == "ok" and t.samples_per_second is not None and t.samples_per_second > best:
-            out.add(current.number)
-            current = t
-        else:
-            out.add(t.number)
-    return out
 
 
 def builtin_equivalent(parts: list[int], costs: list[float], parameters: list[int],
@@ -141,17 +122,35 @@ def describe_result(info: dict[str, Any] | None) -> str | None:
     if info.get("parts") is not None:
         last = next(r for r in reversed(info["rounds"]) if r.get("kept"))
         code = (info.get("in_your_code") or {}).get("text") or f"PARTS = {info['parts']} (docs/partition.md)"
-        return (f"partition: parts {info['parts']} kept (trial {last.get('trial')}, work imbalance "
-                f"{info.get('measured_imbalance', 0):.2f} -> {last.get('measured_imbalance') or 0:.2f}, "
-                f"{info.get('baseline_samples_per_second') or 0:.1f} -> {info.get('kept_samples_per_second') or 0:.1f}"
-                f" samples/s); the best configuration needs it: {code}")
+        return (f"partition: parts {info['parts']} kept (trial {last.get('trial')}{_at(last)}, work imbalance "
+                f"{_from_imbalance(info, last):.2f} -> {last.get('measured_imbalance') or 0:.2f}, "
+                f"{_reference_sps(info, last):.1f} -> {last.get('samples_per_second') or 0:.1f}"
+                f" samples/s{_runs(last)}); the best configuration needs it: {code}")
     tried = info["rounds"][-1]
     if tried.get("trial") is None:
         return None
     return (f"partition: parts {tried['parts']} measured {tried.get('samples_per_second') or 0:.1f} against "
-            f"{info.get('baseline_samples_per_second') or 0:.1f} samples/s (work imbalance "
-            f"{info.get('measured_imbalance', 0):.2f} -> {tried.get('measured_imbalance') or 0:.2f}); not kept: "
+            f"{_reference_sps(info, tried):.1f} samples/s{_at(tried)}{_runs(tried)} (work imbalance "
+            f"{_from_imbalance(info, tried):.2f} -> {tried.get('measured_imbalance') or 0:.2f}); not kept: "
             f"{info.get('method', 'the script')} partition stays, nothing to change in the code")
+
+
+def _at(r: dict[str, Any]) -> str:
+    c = r.get("config")
+    return f", at micro {c['micro_batch_size']} GAS {c['gradient_accumulation_steps']}" if c else ""
+
+
+def _runs(r: dict[str, Any]) -> str:
+    n = len(r.get("trials") or [])
+    return f", means of {n} runs each" if n > 1 else ""
+
+
+def _from_imbalance(info: dict[str, Any], r: dict[str, Any]) -> float:
+    return float(r.get("from_imbalance") or info.get("measured_imbalance") or 0.0)
+
+
+def _reference_sps(info: dict[str, Any], r: dict[str, Any]) -> float:
+    return float(r.get("reference_samples_per_second") or info.get("baseline_samples_per_second") or 0.0)
 
 
 def partition_uniform(num_items: int, num_parts: int) -> list[int]:
@@ -203,37 +202,47 @@ def _slowest(summary: Any) -> int:
 class StageBalancer:
     """Decides and carries the partition of a study's trials (through the runner's workload)."""
 
-    def __init__(self, runner: Any, study_root: Path, note: Callable[[str], None] = print) -> None:
+    def __init__(self, runner: Any, study_root: Path, note: Callable[[str], None] = print, *,
+                 noise: float = NOISE) -> None:
         self.runner = runner
         self.root = Path(study_root)
         self.note = note
+        self.noise = noise
         self.user_command = not hasattr(runner, "workload")
         """A user's command (usercmd/runner.py): its own code picks the method; parts are forced."""
         self.method = "the script's own" if self.user_command else runner.workload.partition_method
         """The study's own partition method (what trials run without a kept partition)."""
-        self.pending: Proposal | None = None
+        self.pending: list[Proposal] = []
+        """The step's next trials, in order (each follows from the trial just finished)."""
         self.candidate: list[int] | None = None
-        """The parts the next (or running) partition trial measures."""
+        """The parts the open round measures (None: no round open)."""
         self.kept: list[int] | None = None
         """The parts later trials run with (None: the study's own method)."""
-        self.best = 0.0
-        """samples/s of the trial whose partition is kept (the baseline's at first)."""
+        self.reference: list[float] = []
+        """samples/s of the runs in force at the open (or next) round's configuration."""
+        self.runs: list[tuple[int, float | None, Any]] = []
+        """(trial, samples/s or None: failed, summary) of the open round's candidate runs."""
         self.rounds = 0
+        self.planned: set[tuple] = set()
+        """Configurations a round was planned at (one plan each, refinements aside)."""
         self.info: dict[str, Any] = {"rounds": []}
+        self.outcome = "measuring"
+        """What the last plan found, when no round has been decided yet."""
         self.layers: tuple[list[float], list[int], list[float]] | None = None
         """(costs, parameters, stage fixed seconds) the last plan was made from: what `builtin_equivalent` compares."""
 
     @property
     def deciding(self) -> bool:
-        """A partition trial is planned or running: the baseline's key has no final measurement yet."""
-        return self.pending is not None or self.candidate is not None
+        """A round is planned or open: its configuration has no final measurement yet."""
+        return bool(self.pending) or self.candidate is not None
 
     # -- around each trial ------------------------------------------------------------------
     def before(self, number: int, proposal: Proposal) -> None:
-        """Set the runner for this trial: hooks on the baseline and partition trials, the parts."""
-        measuring = proposal.source in ("baseline", SOURCE)
-        parts = (None if proposal.source == "baseline" else
-                 self.candidate if proposal.source == SOURCE and self.candidate is not None else self.kept)
+        """Set the runner for this trial: hooks on the step's own trials, and the parts."""
+        source = proposal.source
+        measuring = source in HOOKED
+        parts = (None if source == "baseline" else
+                 self.candidate if source in (SOURCE, RECHECK) and self.candidate is not None else self.kept)
         if self.user_command:
             self.runner.layer_costs = measuring
             self.runner.parts = list(parts) if parts is not None else None
@@ -245,18 +254,57 @@ class StageBalancer:
                                                    partition_method=method)
 
     def after(self, number: int, proposal: Proposal, ok: bool, samples_per_second: float | None,
-              summary: Any) -> None:
-        if proposal.source == "baseline" and ok and summary is not None:
-            self.best = float(samples_per_second or 0.0)
-            self.info["baseline_samples_per_second"] = self.best
-            self._plan(number, proposal.config, summary)
-        elif proposal.source == SOURCE and self.candidate is not None:
-            self._decide(number, proposal.config, ok, samples_per_second, summary)
+              summary: Any, *, is_best: bool = False, room: int | None = None) -> None:
+        """After trial `number`. `is_best`: it made its configuration the study's best so far;
+        `room`: trials the budget has left (None: no limit), so that a round is started only
+        where its trials fit."""
+        source, config = proposal.source, proposal.config
+        room = 1 << 30 if room is None else room
+        measured = bool(ok and samples_per_second is not None)
+        if source in ("baseline", COSTS):
+            self.planned.add(config.key())
+            if measured and summary is not None:
+                self.reference = [float(samples_per_second)]
+                if source == "baseline":
+                    self.info["baseline_samples_per_second"] = float(samples_per_second)
+                if room >= 1:
+                    self._plan(number, config, summary)
+            elif source == COSTS:
+                self.note(f"      partition: trial {number} did not finish; the partition stays as it is")
+        elif source in (SOURCE, RECHECK) and self.candidate is not None:
+            self.runs.append((number, float(samples_per_second) if measured else None, summary))
+            if source == SOURCE and measured and room >= 2 and self._close(float(samples_per_second)):
+                self.pending = [
+                    Proposal(config=config, source=RECHECK,
+                             reason=f"the candidate parts {self.candidate} measured within the {self.noise:.0%} noise "
+                                    f"margin of the partition in force: measured again (A B B A) before deciding"),
+                    Proposal(config=config, source=REFERENCE,
+                             reason="the partition in force again, the pair's last run (A B B A)")]
+            elif source == SOURCE or not measured:  # one pair decides; a failed candidate is rejected
+                self.pending = [p for p in self.pending if p.source != REFERENCE]
+                self._decide(config, room)
+        elif source == REFERENCE and self.candidate is not None:
+            if measured:
+                self.reference.append(float(samples_per_second))
+            self._decide(config, room)
+        elif (measured and is_best and summary is not None and not self.deciding and room >= 2
+              and self.rounds < MAX_ROUNDS and config.key() not in self.planned
+              and work_imbalance(summary) > THRESHOLD):
+            self.planned.add(config.key())
+            self.pending = [Proposal(
+                config=config, source=COSTS,
+                reason=f"trial {number} is the best so far and its stage {_slowest(summary)} does "
+                       f"{work_imbalance(summary):.2f}x the mean stage's work: its configuration again with the "
+                       "layer-cost hooks, to partition at it")]
 
     def next_proposal(self) -> Proposal | None:
-        """The partition trial, once per round, right after the trial that measured its costs."""
-        p, self.pending = self.pending, None
-        return p
+        """The step's next trial: each follows from the trial just finished."""
+        return self.pending.pop(0) if self.pending else None
+
+    def _close(self, sps: float) -> bool:
+        """Is the candidate's first run within the noise margin of the reference?"""
+        ref = _mean(self.reference) if self.reference else 0.0
+        return ref > 0 and abs(sps / ref - 1.0) <= self.noise
 
     # -- the decision ------------------------------------------------------------------------
     def _plan(self, number: int, config: TrialConfig, summary: Any) -> None:
@@ -265,8 +313,10 @@ class StageBalancer:
 
         measured = work_imbalance(summary)
         if measured <= THRESHOLD or self.rounds >= MAX_ROUNDS:
-            self._write(decision="balanced" if measured <= THRESHOLD else "rounds spent",
-                        measured_imbalance=measured)
+            self._write(outcome="balanced" if measured <= THRESHOLD else "rounds spent",
+                        last_measured_imbalance=measured)
+            if "measured_imbalance" not in self.info:
+                self._write(measured_imbalance=measured)
             return
         try:
             lc = read_trial_layer_costs(self.root / f"trial-{number:03d}")
@@ -281,7 +331,7 @@ class StageBalancer:
             parts = balanced_parts(lc.costs, lc.stages, stage_fixed=lc.stage_fixed_seconds, memory=memory)
         except UserError as exc:
             self.note(f"      partition: {exc}; the partition stays as it is")
-            self._write(decision="no partition fits the device's memory")
+            self._write(outcome="no partition fits the device's memory")
             return
         after = stage_times(lc.costs, parts, lc.stage_fixed_seconds)
         moved = describe_moves(lc.parts, parts, lc.names)
@@ -290,43 +340,52 @@ class StageBalancer:
                              slowest_stage=_slowest(summary))
         self.layers = (lc.costs, lc.parameters, lc.stage_fixed_seconds)
         if parts == lc.parts:
-            if not self.rounds:
-                self._write(decision="no better contiguous partition")
+            self._write(outcome="no better contiguous partition")
             return
-        self.candidate = parts
-        self.info["rounds"].append({"from_trial": number, "parts": parts, "moves": moved,
-                                    "predicted_imbalance": imbalance(after)})
-        if not self.rounds:
-            self._write(decision="measuring")
-        self.pending = Proposal(
+        self.candidate, self.runs = parts, []
+        self.info["rounds"].append({
+            "from_trial": number, "config": {"micro_batch_size": config.micro_batch_size,
+                                             "gradient_accumulation_steps": config.gradient_accumulation_steps,
+                                             "reduce_bucket_size": config.reduce_bucket_size},
+            "from_imbalance": measured, "reference_samples_per_second": _mean(self.reference),
+            "parts": parts, "moves": moved, "predicted_imbalance": imbalance(after)})
+        self._write(outcome="measuring")
+        self.pending = [Proposal(
             config=config, source=SOURCE,
             reason=f"stage {_slowest(summary)} does {measured:.2f}x the mean stage's work; the layer costs of trial "
-                   f"{number} balance as parts {parts} (predicted imbalance {imbalance(after):.2f}): {moved}")
+                   f"{number} balance as parts {parts} (predicted imbalance {imbalance(after):.2f}): {moved}")]
 
-    def _decide(self, number: int, config: TrialConfig, ok: bool, samples_per_second: float | None,
-                summary: Any) -> None:
+    def _decide(self, config: TrialConfig, room: int) -> None:
+        """Close the open round by the rule `superseded` replays: kept when no candidate run
+        failed and their mean beats the mean of the reference's runs."""
         self.rounds += 1
         parts, self.candidate = self.candidate, None
-        sps = float(samples_per_second or 0.0)
-        current_best = self.best
-        faster = bool(ok and samples_per_second is not None and sps > self.best)  # as superseded() judges
+        runs = [s for _, s, _ in self.runs]
+        sps = _mean(runs) if runs and None not in runs else None
+        ref = _mean(self.reference) if self.reference else None
+        faster = sps is not None and ref is not None and sps > ref
+        work = [work_imbalance(m) for _, _, m in self.runs if m is not None]
         current = self.info["rounds"][-1]
-        current.update(trial=number, samples_per_second=samples_per_second, kept=faster,
-                       measured_imbalance=work_imbalance(summary) if summary is not None else None)
+        current.update(trial=self.runs[0][0], trials=[n for n, _, _ in self.runs], samples_per_second=sps,
+                       reference_samples_per_second=ref, kept=faster, measured_imbalance=_mean(work) if work else None)
+        shown = f"{sps:.1f}" if sps is not None else "a failure"
+        means = " (means of the A B B A runs)" if len(self.runs) > 1 else ""
         if faster:
-            self.kept, self.best = parts, sps
+            self.kept = parts
+            self.reference = [float(s) for s in runs if s is not None]
             code = self._in_your_code(parts)
-            self.note(f"      partition: parts {parts} kept for the later trials ({sps:.1f} against "
-                      f"{current_best:.1f} samples/s); in your own code: {code}")
+            self.note(f"      partition: parts {parts} kept for the later trials ({shown} against "
+                      f"{ref:.1f} samples/s{means}); in your own code: {code}")
         else:
             keep = self.kept if self.kept is not None else self.method
-            self.note(f"      partition: parts {parts} measured {sps:.1f} samples/s against {self.best:.1f}; "
+            self.note(f"      partition: parts {parts} measured {shown} against {ref or 0:.1f} samples/s{means}; "
                       f"later trials keep {keep}")
-        self.info.update(parts=self.kept, kept_samples_per_second=self.best)
-        self._write(decision="kept" if self.kept is not None else "rejected")
-        if (faster and summary is not None and work_imbalance(summary) > THRESHOLD
-                and self.rounds < MAX_ROUNDS):
-            self._plan(number, config, summary)  # still unbalanced: one more round from its own costs
+        self.info.update(parts=self.kept, kept_samples_per_second=_mean(self.reference) if self.kept else None)
+        self._write()
+        last, _, summary = self.runs[-1]
+        if (faster and summary is not None and current["measured_imbalance"] > THRESHOLD
+                and self.rounds < MAX_ROUNDS and room >= 1):
+            self._plan(last, config, summary)  # still unbalanced: one more round from its own costs
 
     def _in_your_code(self, parts: list[int]) -> str:
         if self.layers is None:
@@ -336,30 +395,44 @@ class StageBalancer:
         self.info["in_your_code"] = advice
         return advice["text"]
 
-    def _write(self, **fields: Any) -> None:
+    def _write(self, outcome: str | None = None, **fields: Any) -> None:
+        if outcome is not None:
+            self.outcome = outcome
         self.info.update(fields)
+        decided = any("kept" in r for r in self.info["rounds"])
+        self.info["decision"] = "kept" if self.kept is not None else "rejected" if decided else self.outcome
+        self.info["last_plan"] = self.outcome
         self.info["method"] = self.method
         write_atomic(self.root / RESULT_NAME, json.dumps(self.info, indent=2) + "\n")
 
     # -- resume ------------------------------------------------------------------------------
-    def replay(self, finished: list[Any], redo: list[Any]) -> None:
+    def replay(self, finished: list[Any], redo: list[Any], budget: int | None = None) -> None:
         """Rebuild the decision from the study's finished trials (a resume), in trial order: each
-        step reads the same layer-cost files it read when it ran. An interrupted partition trial
-        in `redo` runs again as itself, not a second time."""
+        step reads the same layer-cost files and the same best-so-far it read when it ran. A
+        step's trial interrupted (in `redo`) runs again as itself, not a second time."""
+        from autotune.measurements import best_of
         from autotune.summary import TrialSummary
 
         saved = self.note
         self.note = lambda _text: None  # said when it happened
+        rows = sorted(finished, key=lambda t: t.number)
         try:
-            for t in sorted(finished, key=lambda t: t.number):
-                if t.source not in ("baseline", SOURCE):
-                    continue
+            for i, t in enumerate(rows):
+                self._drop_pending(t.source)
                 summary = TrialSummary.from_dict(t.summary) if t.summary else None
-                if t.source == SOURCE:
-                    self.pending = None
-                self.after(t.number, Proposal(config=t.config, source=t.source), t.status == "ok",
-                           t.samples_per_second, summary)
+                ok = t.status == "ok"
+                best = best_of(rows[:i + 1]) if ok and t.source not in HOOKED else None
+                self.after(t.number, Proposal(config=t.config, source=t.source), ok, t.samples_per_second,
+                           summary, is_best=best is not None and best.number == t.number,
+                           room=None if budget is None else budget - (i + 1))
         finally:
             self.note = saved
-        if any(t.source == SOURCE for t in redo):
-            self.pending = None
+        for t in redo:
+            self._drop_pending(t.source)
+
+    def _drop_pending(self, source: str) -> None:
+        """The step's proposal that trial of `source` ran (it is not proposed again)."""
+        if source in OWN_SOURCES:
+            i = next((i for i, p in enumerate(self.pending) if p.source == source), None)
+            if i is not None:
+                del self.pending[i]

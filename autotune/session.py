@@ -19,7 +19,7 @@ from autotune.space import SearchSpace
 from autotune.starting_point import baseline_config, build_space, load_base_config
 from autotune.study import Study
 from autotune.trial import TrialRunner
-from autotune.tuner import Tuner, TuneResult, dump_space
+from autotune.tuner import DEFAULT_NOISE, Tuner, TuneResult, dump_space
 from autotune.validation import validate
 
 
@@ -107,7 +107,8 @@ def tune(opts: RunOptions, display: ProgressDisplay | None = None, *,
         if wl.balance_stages:  # the partition step (autotune/balance.py)
             from autotune.balance import StageBalancer
 
-            balancer = StageBalancer(runner, study.root, display.note)
+            balancer = StageBalancer(runner, study.root, display.note,
+                                     noise=float(getattr(proposer, "noise", DEFAULT_NOISE)))
         if job and opts.knobs:  # the user's model settings mapped to their flags (usercmd/knobs.py)
             from autotune.usercmd.knobs import KnobSweep, parse_knobs
 

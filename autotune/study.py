@@ -8,12 +8,10 @@ written atomically (temp file + rename).
 
 from __future__ import annotations
 
-import dataclasses
 import fcntl
 import json
 import os
 import sqlite3
-import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -272,28 +270,10 @@ class Study:
         return out
 
     def best(self) -> TrialRow | None:
-        """The configuration with the highest mean samples/s over its successful trials.
+        """The configuration with the highest mean samples/s over its successful trials (`best_of`)."""
+        from autotune.measurements import best_of
 
-        Configurations measured more than once (the tuner re-measures close
-        contenders) are judged by their mean, not by their luckiest run. The row
-        returned is that configuration's latest trial, carrying the mean and the
-        number of measurements in `repeats`. Trials whose measurement no longer holds
-        (a partition or knob trial not kept, or the run a kept one replaced:
-        autotune/balance.py `superseded`) share their configuration's key and are left out.
-        """
-        from autotune.balance import superseded
-
-        trials = self.trials()
-        stale = superseded(trials)
-        by_config: dict[tuple, list[TrialRow]] = {}
-        for t in trials:
-            if t.status == STATUS_OK and t.samples_per_second and t.number not in stale:
-                by_config.setdefault(t.config.key(), []).append(t)
-        if not by_config:
-            return None
-        runs = max(by_config.values(), key=lambda ts: statistics.fmean(t.samples_per_second for t in ts))
-        mean = statistics.fmean(t.samples_per_second for t in runs)
-        return dataclasses.replace(runs[-1], samples_per_second=mean, repeats=len(runs))
+        return best_of(self.trials())
 
 
 def stored_budget(root: str | Path) -> int | None:

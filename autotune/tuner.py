@@ -159,7 +159,7 @@ class Tuner:
         done = {t.number for t in finished}
         interrupted = [t for t in self.study.trials() if t.status == STATUS_INTERRUPTED]
         if self.balancer is not None:
-            self.balancer.replay(finished, [t for t in interrupted if t.number not in done])
+            self.balancer.replay(finished, [t for t in interrupted if t.number not in done], budget=self.budget)
         if self.checkpointing is not None:
             self.checkpointing.replay(finished, [t for t in interrupted if t.number not in done])
         for t in finished:  # after the replay: told as an uninterrupted run told them
@@ -245,9 +245,11 @@ class Tuner:
             rules_fired=fired, wall_seconds=outcome.wall_seconds,
         )
         crash_point("after-finish", number)
+        best = self.study.best()
+        is_best = best is not None and best.number == number and outcome.result.ok
         if self.balancer is not None:
             self.balancer.after(number, proposal, outcome.result.ok, outcome.result.samples_per_second,
-                                outcome.summary)
+                                outcome.summary, is_best=is_best, room=self.budget - len(self.study.counted()))
         if self.checkpointing is not None:
             earlier = [t.samples_per_second for t in self.study.counted()
                        if t.number != number and t.status == STATUS_OK and t.samples_per_second]
@@ -256,8 +258,6 @@ class Tuner:
                                      max(earlier) if earlier else None)
         self._held[number] = (cfg, outcome.result)
         self._tell_settled()
-        best = self.study.best()
-        is_best = best is not None and best.number == number and outcome.result.ok
         self.display.trial_row(number, cfg, proposal.source, outcome.result.status, outcome.summary,
                                _failure_text(outcome), is_best)
         if outcome.summary is not None and outcome.summary.stopped_early and incumbent is not None:
@@ -285,7 +285,7 @@ class Tuner:
         told: the proposers' encoding has no checkpoint interval (autotune/checkpoint_step.py)."""
         if getattr(self.balancer, "deciding", False):
             return
-        from autotune.balance import superseded
+        from autotune.measurements import superseded
 
         stale = superseded(self.study.counted())
         for n in sorted(self._held):

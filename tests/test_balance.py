@@ -9,15 +9,17 @@ import json
 
 from builders import healthy_summary
 
-from autotune.balance import SOURCE, StageBalancer
+from autotune.balance import COSTS, RECHECK, REFERENCE, SOURCE, StageBalancer
 from autotune.dsconfig import DsConfig
 from autotune.layer_costs import rows_to_csv
+from autotune.measurements import superseded
 from autotune.options import WorkloadOptions
 from autotune.proposers.base import Proposal
 from autotune.space import TrialConfig
 from autotune.trial import TrialRunner
 
 CFG = TrialConfig(micro_batch_size=2, gradient_accumulation_steps=4)
+BIG = TrialConfig(micro_batch_size=8, gradient_accumulation_steps=1)
 
 
 def _costs(folder, parts, costs, *, activation=1, peaks=None, kind="process_max_rss"):
@@ -75,8 +77,8 @@ def test_a_kept_partition_still_unbalanced_gets_one_more_round_from_its_own_cost
     b.before(2, p2)
     second = runner.workload.partition_method
     assert second.startswith("parts:") and second != "parts:0,4,6"
-    b.after(2, p2, True, 11.0, healthy_summary(stage_compute_imbalance=1.2, slowest_stage=0))
-    assert b.next_proposal() is None  # MAX_ROUNDS spent
+    b.after(2, p2, True, 9.0, healthy_summary(stage_compute_imbalance=1.2, slowest_stage=0))
+    assert b.next_proposal() is None  # slower by more than the noise margin: rejected, no recheck
     b.before(3, Proposal(config=CFG, source="bayes"))
     assert runner.workload.partition_method == "parts:0,4,6"  # the faster of the two stays
 
@@ -88,7 +90,7 @@ def test_a_slower_partition_is_dropped_and_a_balanced_baseline_is_left_alone(tmp
     base = Proposal(config=CFG, source="baseline")
     b.after(0, base, True, 10.0, healthy_summary(stage_compute_imbalance=1.4, slowest_stage=1))
     p = b.next_proposal()
-    b.after(1, p, True, 9.0, healthy_summary())
+    b.after(1, p, True, 8.0, healthy_summary())
     b.before(2, Proposal(config=CFG, source="bayes"))
     assert runner.workload.partition_method == "uniform"
     decision = json.loads((tmp_path / "partition.json").read_text())
@@ -142,3 +144,130 @@ def test_on_a_gpu_the_partition_must_fit_the_devices_memory(tmp_path):
     assert b.next_proposal() is None and decision["decision"] == "no partition fits the device's memory"
     assert any("fits" in n for n in notes)
 
+
+
+# -- a round at the best trial: imbalance grows with the micro-batch ----------------------------
+
+def _unbalanced(imbalance=1.4):
+    return healthy_summary(stage_compute_imbalance=imbalance, slowest_stage=1)
+
+
+def test_a_balanced_baseline_gets_a_round_at_the_best_trial_when_that_one_is_unbalanced(tmp_path):
+    runner = _runner()
+    b = StageBalancer(runner, tmp_path, note=lambda _: None)
+    (tmp_path / "trial-000").mkdir()
+    b.after(0, Proposal(config=CFG, source="baseline"), True, 10.0, _unbalanced(1.05))
+    assert b.next_proposal() is None and not b.deciding  # balanced at micro 2
+    search = Proposal(config=BIG, source="bayes")
+    b.after(1, search, True, 20.0, _unbalanced(1.4), is_best=False, room=5)
+    assert b.next_proposal() is None  # unbalanced, but not the best: no round
+    b.after(2, search, True, 20.0, _unbalanced(1.4), is_best=True, room=1)
+    assert b.next_proposal() is None  # the best, but no room for the round's two trials
+    b.after(3, search, True, 20.0, _unbalanced(1.4), is_best=True, room=2)
+    assert b.deciding  # the tuner holds trial 3's result until the round decides
+    costs = b.next_proposal()
+    assert costs.source == COSTS and costs.config == BIG and "trial 3 is the best" in costs.reason
+    b.before(4, costs)
+    assert runner.workload.layer_costs and runner.workload.partition_method == "uniform"
+    _costs(tmp_path / "trial-004", [0, 3, 6], [1, 1, 1, 1, 1, 4])
+    b.after(4, costs, True, 18.0, _unbalanced(1.4), room=1)
+    p = b.next_proposal()
+    assert p.source == SOURCE and p.config == BIG and "trial 4" in p.reason
+    b.before(5, p)
+    assert runner.workload.partition_method == "parts:0,4,6" and runner.workload.layer_costs
+    b.after(5, p, True, 24.0, healthy_summary(stage_compute_imbalance=1.04), room=0)
+    assert b.next_proposal() is None and not b.deciding
+    b.after(6, search, True, 24.0, _unbalanced(1.4), is_best=True, room=9)
+    assert b.next_proposal() is None  # one plan per configuration
+    decision = json.loads((tmp_path / "partition.json").read_text())
+    r = decision["rounds"][0]
+    assert decision["decision"] == "kept" and decision["parts"] == [0, 4, 6]
+    assert r["config"]["micro_batch_size"] == 8 and r["from_trial"] == 4 and r["from_imbalance"] == 1.4
+    assert r["reference_samples_per_second"] == 18.0 and r["samples_per_second"] == 24.0 and r["kept"]
+
+
+def test_a_pair_within_the_noise_margin_is_measured_again_in_the_order_abba(tmp_path):
+    _costs(tmp_path / "trial-000", [0, 3, 6], [1, 1, 1, 1, 1, 4])
+    runner = _runner()
+    b = StageBalancer(runner, tmp_path, note=lambda _: None, noise=0.10)
+    b.after(0, Proposal(config=CFG, source="baseline"), True, 10.0, _unbalanced())
+    p = b.next_proposal()
+    b.after(1, p, True, 10.5, healthy_summary(stage_compute_imbalance=1.02), room=5)  # +5 %: within the noise
+    assert b.deciding
+    again, ref = b.next_proposal(), b.next_proposal()
+    assert (again.source, ref.source) == (RECHECK, REFERENCE) and b.deciding
+    b.before(2, again)
+    assert runner.workload.partition_method == "parts:0,4,6" and runner.workload.layer_costs
+    b.after(2, again, True, 10.6, healthy_summary(stage_compute_imbalance=1.04), room=4)
+    assert b.deciding  # the reference's second run decides
+    b.before(3, ref)
+    assert runner.workload.partition_method == "uniform" and runner.workload.layer_costs
+    b.after(3, ref, True, 11.5, _unbalanced(), room=3)
+    assert not b.deciding and b.next_proposal() is None
+    r = json.loads((tmp_path / "partition.json").read_text())["rounds"][0]
+    # candidate 10.55 on average against the reference's 10.75: rejected (one pair would have kept it)
+    assert r["trials"] == [1, 2] and r["kept"] is False and abs(r["samples_per_second"] - 10.55) < 1e-9
+    assert abs(r["reference_samples_per_second"] - 10.75) < 1e-9 and abs(r["measured_imbalance"] - 1.03) < 1e-9
+    rows = [_row(0, "baseline", 10.0), _row(1, SOURCE, 10.5), _row(2, RECHECK, 10.6), _row(3, REFERENCE, 11.5)]
+    assert superseded(rows) == {1, 2}  # the rule the study replays
+    rows[3] = _row(3, REFERENCE, 9.5)  # 10.55 against 9.75: kept, and the reference's runs give way
+    assert superseded(rows) == {0, 3}
+
+
+def test_the_noise_recheck_needs_room_and_a_failed_recheck_rejects_at_once(tmp_path):
+    _costs(tmp_path / "trial-000", [0, 3, 6], [1, 1, 1, 1, 1, 4])
+    b = StageBalancer(_runner(), tmp_path, note=lambda _: None)
+    b.after(0, Proposal(config=CFG, source="baseline"), True, 10.0, _unbalanced())
+    p = b.next_proposal()
+    b.after(1, p, True, 10.5, healthy_summary(), room=1)
+    assert b.next_proposal() is None and not b.deciding and b.kept == [0, 4, 6]  # decided on the one pair
+
+    c = StageBalancer(_runner(), tmp_path, note=lambda _: None)
+    c.after(0, Proposal(config=CFG, source="baseline"), True, 10.0, _unbalanced())
+    p = c.next_proposal()
+    c.after(1, p, True, 10.5, healthy_summary(), room=5)
+    again = c.next_proposal()
+    c.after(2, again, False, None, None, room=4)
+    assert c.next_proposal() is None and not c.deciding and c.kept is None
+    assert superseded([_row(0, "baseline", 10.0), _row(1, SOURCE, 10.5),
+                       _row(2, RECHECK, None, "failed")]) == {1, 2}
+
+
+def _row(n, source, sps, status="ok", config=CFG, imbalance=1.4):
+    from autotune.study import TrialRow
+
+    return TrialRow(id=n + 1, number=n, status=status, source=source, reason="", config=config,
+                    samples_per_second=sps, failure_reason=None, failure_detail=None,
+                    summary=_unbalanced(imbalance).to_dict() if status == "ok" else None, rules_fired=[],
+                    started=0.0, finished=None, wall_seconds=None, pgid=None)
+
+
+def test_a_resume_in_the_middle_of_a_round_runs_only_what_is_left(tmp_path):
+    _costs(tmp_path / "trial-000", [0, 3, 6], [1, 1, 1, 1, 1, 4])
+    done = [_row(0, "baseline", 10.0), _row(1, SOURCE, 10.5, imbalance=1.02)]
+    b = StageBalancer(_runner(), tmp_path, note=lambda _: None)
+    b.replay(done, [], budget=10)
+    assert [b.next_proposal().source, b.next_proposal().source] == [RECHECK, REFERENCE]
+    c = StageBalancer(_runner(), tmp_path, note=lambda _: None)
+    c.replay(done, [_row(2, RECHECK, None, "interrupted")], budget=10)
+    assert c.next_proposal().source == REFERENCE and c.deciding  # the interrupted recheck runs as itself
+    d = StageBalancer(_runner(), tmp_path, note=lambda _: None)
+    d.replay(done, [], budget=2)  # the budget left no room for the recheck when trial 1 ended
+    assert d.next_proposal() is None and d.kept == [0, 4, 6]
+
+
+def test_a_resume_finds_the_round_the_best_trial_started(tmp_path):
+    (tmp_path / "trial-000").mkdir()
+    _costs(tmp_path / "trial-002", [0, 3, 6], [1, 1, 1, 1, 1, 4])
+    done = [_row(0, "baseline", 10.0, imbalance=1.05), _row(1, "bayes", 20.0, config=BIG)]
+    b = StageBalancer(_runner(), tmp_path, note=lambda _: None)
+    b.replay(done, [], budget=10)
+    assert b.next_proposal().source == COSTS  # trial 1 was the best so far, unbalanced
+    c = StageBalancer(_runner(), tmp_path, note=lambda _: None)
+    c.replay(done + [_row(2, COSTS, 19.0, config=BIG)], [], budget=10)
+    p = c.next_proposal()
+    assert p.source == SOURCE and p.config == BIG
+    slower = [_row(0, "baseline", 30.0, imbalance=1.05), _row(1, "bayes", 20.0, config=BIG)]
+    e = StageBalancer(_runner(), tmp_path, note=lambda _: None)
+    e.replay(slower, [], budget=10)
+    assert e.next_proposal() is None  # trial 1 was not the best: no round

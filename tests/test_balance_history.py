@@ -15,9 +15,10 @@ import json
 
 from builders import healthy_summary
 
-from autotune.balance import SOURCE, StageBalancer, describe_result, superseded
+from autotune.balance import COSTS, SOURCE, StageBalancer, describe_result
 from autotune.judge import TrialOutcome, failed
 from autotune.layer_costs import rows_to_csv
+from autotune.measurements import superseded
 from autotune.options import WorkloadOptions
 from autotune.proposers.base import STATUS_OK, TrialResult
 from autotune.proposers.hybrid import HybridProposer
@@ -49,20 +50,24 @@ def _layer_costs(folder) -> None:
 class ScriptedRunner:
     """Trial N answers `answers[N]` (samples/s, or None: failed out of memory)."""
 
-    def __init__(self, answers: dict[int, float | None]) -> None:
+    def __init__(self, answers: dict[int, float | None], imbalances: dict[int, float] | None = None) -> None:
         self.answers = answers
+        self.imbalances = imbalances if imbalances is not None else {0: 1.4}
+        """Trial N's stage imbalance (1.05 where not named)."""
         self.workload = WorkloadOptions(preset="tiny", pipeline_stages=2, partition_method="uniform",
                                         workers="fresh")
         self.methods: dict[int, str] = {}
 
     def run(self, number, config, trial_dir, *, timeout, on_start=None, **_: object) -> TrialOutcome:
         self.methods[number] = self.workload.partition_method
-        if number == 0:
+        if self.workload.layer_costs:  # a hooked trial writes its layer costs, as a real one does
             _layer_costs(trial_dir)
         sps = self.answers[number]
+        if sps == "stop":  # Ctrl-C during this trial
+            raise KeyboardInterrupt
         if sps is None:
             return failed("oom", "out of memory on stage 0", 0.1)
-        imbalance = 1.4 if number == 0 else 1.05
+        imbalance = self.imbalances.get(number, 1.05)
         return TrialOutcome(result=TrialResult(status=STATUS_OK, samples_per_second=sps),
                             summary=healthy_summary(stage_compute_imbalance=imbalance, slowest_stage=1,
                                                     samples_per_second=sps),
@@ -107,12 +112,13 @@ class Quiet:
         pass
 
 
-def _tune(root, answers: dict[int, float | None], budget: int = 3, knobs: list[str] | None = None):
+def _tune(root, answers: dict[int, float | None], budget: int = 3, knobs: list[str] | None = None,
+          imbalances: dict[int, float] | None = None):
     """A study run by the real loop: the partition step, or with `knobs` the knob sweep."""
     from autotune.usercmd.knobs import KnobSweep, parse_knobs
 
     study = Study.open(root, create=not (root / "study.db").exists())
-    runner = KnobRunner(answers) if knobs else ScriptedRunner(answers)
+    runner = KnobRunner(answers) if knobs else ScriptedRunner(answers, imbalances)
     proposer = RecordingProposer(_space())
     balancer = (KnobSweep(runner, parse_knobs(knobs), study.root, lambda _: None) if knobs
                 else StageBalancer(runner, study.root, lambda _: None))
@@ -168,8 +174,8 @@ def test_a_resumed_study_tells_the_proposer_what_the_run_told_it(tmp_path):
 def test_superseded_follows_the_rounds():
     from types import SimpleNamespace
 
-    def row(n, source, sps, status="ok"):
-        return SimpleNamespace(number=n, source=source, status=status, samples_per_second=sps)
+    def row(n, source, sps, status="ok", config=BASE):
+        return SimpleNamespace(number=n, source=source, status=status, samples_per_second=sps, config=config)
 
     assert superseded([row(0, "baseline", 10.0), row(1, SOURCE, 12.0), row(2, SOURCE, 11.0),
                        row(3, "bayes", 20.0)]) == {0, 2}
@@ -178,6 +184,35 @@ def test_superseded_follows_the_rounds():
     assert superseded([row(0, "baseline", 10.0), row(1, SOURCE, 12.0, "interrupted")]) == set()
     assert superseded([row(0, "baseline", None, "failed"), row(1, "bayes", 5.0)]) == set()
     assert json.dumps(sorted(superseded([]))) == "[]"
+
+
+# -- a round at the best trial (the baseline was balanced at its small micro-batch) --------------
+
+def test_a_round_at_the_best_trial_replaces_its_runs_and_tells_the_proposer_once(tmp_path):
+    # baseline 10 balanced; OTHER 12 unbalanced and the best: its configuration again with the
+    # hooks (11, the round's reference), then the parts (15: kept); then one more trial
+    summary, best, proposer, runner = _tune(tmp_path / "st", {0: 10.0, 1: 12.0, 2: 11.0, 3: 15.0, 4: 9.0},
+                                            budget=5, imbalances={0: 1.05, 1: 1.4, 2: 1.4})
+    sources = [t["source"] for t in summary["trials"]]
+    assert sources[:4] == ["baseline", "explore", COSTS, SOURCE], sources
+    assert runner.methods == {0: "uniform", 1: "uniform", 2: "uniform", 3: "parts:0,4,6", 4: "parts:0,4,6"}
+    # trials 1 and 2 ran the parts the round replaced: OTHER's measurement is trial 3's alone
+    assert best.number == 3 and best.samples_per_second == 15.0 and best.repeats == 1
+    told = [(c, s) for c, _, s in proposer.told]
+    assert told[:2] == [(BASE, 10.0), (OTHER, 15.0)] and len(told) == 3  # trial 1 held until the round decided
+    assert summary["partition"]["rounds"][0]["config"]["micro_batch_size"] == OTHER.micro_batch_size
+    assert "at micro 4 GAS 2" in describe_result(summary["partition"])
+
+
+def test_a_resume_between_the_rounds_trials_runs_the_partition_trial_next(tmp_path):
+    imbalances = {0: 1.05, 1: 1.4, 2: 1.4}
+    first, _, _, _ = _tune(tmp_path / "st", {0: 10.0, 1: 12.0, 2: 11.0, 3: "stop"}, budget=4, imbalances=imbalances)
+    assert [t["status"] for t in first["trials"]][-1] == "interrupted"
+    summary, best, proposer, runner = _tune(tmp_path / "st", {3: 15.0}, budget=4, imbalances=imbalances)
+    assert [t["source"] for t in summary["trials"] if t["status"] != "interrupted"] == [
+        "baseline", "explore", COSTS, SOURCE]
+    assert runner.methods == {3: "parts:0,4,6"} and best.number == 3  # the interrupted partition trial, as itself
+    assert [(c, s) for c, _, s in proposer.told] == [(BASE, 10.0), (OTHER, 15.0)]
 
 
 def test_the_built_in_parts_are_deepspeeds_own():

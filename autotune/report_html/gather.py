@@ -209,7 +209,7 @@ def gather_study(study: Study) -> StudyReport:
     baseline = next((t for t in counted if t.number == 0), None)
     best = study.best()
     measurements: dict[tuple, list[float]] = {}
-    from autotune.balance import superseded
+    from autotune.measurements import superseded
 
     stale = superseded(trials)  # partition and knob trials share the baseline's key (autotune/balance.py)
     for t in trials:

@@ -194,7 +194,7 @@ class KnobSweep:
         self.runner.knob_values = {k: v for k, v in values.items() if v is not None}
 
     def after(self, number: int, proposal: Proposal, ok: bool, samples_per_second: float | None,
-              summary: Any) -> None:
+              summary: Any, **_: Any) -> None:
         self.running = None
         if proposal.source == "baseline":
             if ok:
@@ -216,7 +216,7 @@ class KnobSweep:
         (the tuner holds what it tells the proposer until then; autotune/balance.py `superseded`)."""
         return bool(self.queue) or self.running is not None
 
-    def replay(self, finished: list[Any], redo: list[Any]) -> None:
+    def replay(self, finished: list[Any], redo: list[Any], budget: int | None = None) -> None:
         """Rebuild the sweep from the study's finished trials (a resume)."""
         base = next((t for t in finished if t.number == 0), None)
         if base is None or base.status != "ok":
