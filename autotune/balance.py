@@ -227,7 +227,7 @@ class StageBalancer:
         """Configurations a round was planned at (one plan each, refinements aside)."""
         self.info: dict[str, Any] = {"rounds": []}
         self.outcome = "measuring"
-        """What the last plan found, when no round has been decided yet."""
+        """What the last plan found (`plans` in partition.json: each plan's trial, imbalance and outcome)."""
         self.layers: tuple[list[float], list[int], list[float]] | None = None
         """(costs, parameters, stage fixed seconds) the last plan was made from: what `builtin_equivalent` compares."""
 
@@ -312,11 +312,9 @@ class StageBalancer:
         from autotune.partition import balanced_parts, describe_moves, imbalance, stage_times
 
         measured = work_imbalance(summary)
+        self.info["plans"] = [*self.info.get("plans", []), {"trial": number, "work_imbalance": measured}]
         if measured <= THRESHOLD or self.rounds >= MAX_ROUNDS:
-            self._write(outcome="balanced" if measured <= THRESHOLD else "rounds spent",
-                        last_measured_imbalance=measured)
-            if "measured_imbalance" not in self.info:
-                self._write(measured_imbalance=measured)
+            self._write(outcome="balanced" if measured <= THRESHOLD else "rounds spent")
             return
         try:
             lc = read_trial_layer_costs(self.root / f"trial-{number:03d}")
@@ -349,7 +347,7 @@ class StageBalancer:
                                              "reduce_bucket_size": config.reduce_bucket_size},
             "from_imbalance": measured, "reference_samples_per_second": _mean(self.reference),
             "parts": parts, "moves": moved, "predicted_imbalance": imbalance(after)})
-        self._write(outcome="measuring")
+        self._write(outcome="round planned")
         self.pending = [Proposal(
             config=config, source=SOURCE,
             reason=f"stage {_slowest(summary)} does {measured:.2f}x the mean stage's work; the layer costs of trial "
@@ -400,8 +398,10 @@ class StageBalancer:
             self.outcome = outcome
         self.info.update(fields)
         decided = any("kept" in r for r in self.info["rounds"])
-        self.info["decision"] = "kept" if self.kept is not None else "rejected" if decided else self.outcome
-        self.info["last_plan"] = self.outcome
+        self.info["decision"] = ("kept" if self.kept is not None else "rejected" if decided else
+                                 "measuring" if self.candidate is not None else self.outcome)
+        if self.info.get("plans"):
+            self.info["plans"][-1]["outcome"] = self.outcome
         self.info["method"] = self.method
         write_atomic(self.root / RESULT_NAME, json.dumps(self.info, indent=2) + "\n")
 

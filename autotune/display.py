@@ -22,12 +22,14 @@ def _interval(s: TrialSummary) -> str:
 
 class ProgressDisplay:
     def __init__(self, console: Console | None = None, budget: int = 0) -> None:
-        self.console = console or Console(highlight=False, soft_wrap=True)
+        # markup off: notes carry failure details and paths ("[/__w/pytorch/...pair.cc:553]"
+        # from a gloo error once crashed a run as a closing markup tag)
+        self.console = console or Console(highlight=False, soft_wrap=True, markup=False, emoji=False)
         self.budget = budget
         self._header_done = False
 
     def note(self, text: str) -> None:
-        self.console.print(text)
+        self.console.print(text, markup=False, emoji=False)
 
     def running(self, number: int, config: TrialConfig, source: str) -> AbstractContextManager:
         if not self.console.is_terminal:
@@ -62,5 +64,5 @@ class ProgressDisplay:
         self.console.print(
             f"{number:>5} {config.micro_batch_size:>5} {config.gradient_accumulation_steps:>4} "
             f"{bucket:>8} {sps} {util:>5} {fl:>5} {ccr:>9} {bub:>11} {imb:>5}  {status_text:<8} "
-            f"{source}{mark}"
+            f"{source}{mark}", markup=False, emoji=False
         )

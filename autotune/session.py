@@ -16,7 +16,12 @@ from autotune.extras import require
 from autotune.options import RunOptions
 from autotune.precision import check_precision
 from autotune.space import SearchSpace
-from autotune.starting_point import baseline_config, build_space, load_base_config
+from autotune.starting_point import (
+    baseline_config,
+    build_space,
+    load_base_config,
+    require_optimizer,
+)
 from autotune.study import Study
 from autotune.trial import TrialRunner
 from autotune.tuner import DEFAULT_NOISE, Tuner, TuneResult, dump_space
@@ -70,6 +75,8 @@ def tune(opts: RunOptions, display: ProgressDisplay | None = None, *,
     job = prepare_user_job(opts, command, display.note) if command else None  # sets config, stages, dp
     base, space = prepare(opts, built_in=job is None)
     check_precision(base)  # a precision the devices lack would fail every trial alike
+    if job is None:
+        require_optimizer(base, opts.config)  # so would a config without one
     cluster = _cluster(opts, display)  # hostfile, slots, launcher, hosts: checked before the study
     study, stored = open_study(opts)
     exporter = None

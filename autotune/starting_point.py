@@ -7,6 +7,7 @@ which builds its space the same way once it knows the job's stages and dp.
 from __future__ import annotations
 
 from autotune.dsconfig import DEEPSPEED_DEFAULT_BUCKET, DsConfig, load_ds_config
+from autotune.errors import UserError
 from autotune.options import RunOptions
 from autotune.space import SearchSpace, TrialConfig
 from autotune.workload.defaults import default_ds_config
@@ -22,6 +23,15 @@ def load_base_config(opts: RunOptions) -> DsConfig:
     cfg.check_pipeline()
     cfg.resolve_batch(dp)  # raises with the arithmetic when impossible
     return cfg
+
+
+def require_optimizer(base: DsConfig, path: str | None) -> None:
+    """The built-in workload hands DeepSpeed no optimizer of its own: a config without an
+    "optimizer" section would fail every trial alike ("must provide optimizer during init")."""
+    if not isinstance(base.raw.get("optimizer"), dict):
+        raise UserError(f"{path or 'the config'}: no \"optimizer\" section, and the built-in workload passes "
+                        "DeepSpeed none of its own, so every trial would fail; add one, e.g. "
+                        "\"optimizer\": {\"type\": \"Adam\", \"params\": {\"lr\": 0.001}}")
 
 
 def build_space(opts: RunOptions, base: DsConfig) -> SearchSpace:

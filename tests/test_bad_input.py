@@ -111,6 +111,8 @@ def write(p: Path, data: bytes | str) -> Path:
      "train_batch_size 10"),
     ('{"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}', "stage 3"),
     ('{"train_micro_batch_size_per_gpu": 1, "zero_optimization": 5}', "zero_optimization"),
+    # the built-in workload builds no optimizer: every trial would crash in deepspeed.initialize
+    ('{"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 8}', 'no "optimizer" section'),
 ])
 def test_run_with_malformed_ds_config(tmp_path, content, needle):
     cfg = write(tmp_path / "ds.json", content)

@@ -184,6 +184,8 @@ def test_a_balanced_baseline_gets_a_round_at_the_best_trial_when_that_one_is_unb
     assert decision["decision"] == "kept" and decision["parts"] == [0, 4, 6]
     assert r["config"]["micro_batch_size"] == 8 and r["from_trial"] == 4 and r["from_imbalance"] == 1.4
     assert r["reference_samples_per_second"] == 18.0 and r["samples_per_second"] == 24.0 and r["kept"]
+    assert [(p["trial"], p["work_imbalance"], p["outcome"]) for p in decision["plans"]] == [
+        (0, 1.05, "balanced"), (4, 1.4, "round planned")]
 
 
 def test_a_pair_within_the_noise_margin_is_measured_again_in_the_order_abba(tmp_path):

@@ -22,7 +22,9 @@ def to_json(findings: Sequence[Finding], **meta: Any) -> str:
 
 def print_table(findings: Sequence[Finding], *, title: str, notes: Sequence[str] = ()) -> None:
     """Fired findings ranked by expected impact, then one line per rule lacking data."""
-    console = Console(file=sys.stdout, width=None if sys.stdout.isatty() else 160, highlight=False)
+    # markup off: evidence and proposals hold brackets (`type:[Dd]ecoder`, "[stage 1]") that are not markup
+    console = Console(file=sys.stdout, width=None if sys.stdout.isatty() else 160, highlight=False,
+                      markup=False, emoji=False)
     fired = [f for f in findings if f.fired]
     if fired:
         table = Table(title=title, show_lines=True)
