@@ -367,17 +367,17 @@ class StageBalancer:
         current.update(trial=self.runs[0][0], trials=[n for n, _, _ in self.runs], samples_per_second=sps,
                        reference_samples_per_second=ref, kept=faster, measured_imbalance=_mean(work) if work else None)
         shown = f"{sps:.1f}" if sps is not None else "a failure"
-        means = " (means of the A B B A runs)" if len(self.runs) > 1 else ""
+        abba = len(self.runs) > 1
         if faster:
             self.kept = parts
             self.reference = [float(s) for s in runs if s is not None]
             code = self._in_your_code(parts)
             self.note(f"      partition: parts {parts} kept for the later trials ({shown} against "
-                      f"{ref:.1f} samples/s{means}); in your own code: {code}")
+                      f"{ref:.1f} samples/s{', means of the A B B A runs' if abba else ''}); in your own code: {code}")
         else:
             keep = self.kept if self.kept is not None else self.method
-            self.note(f"      partition: parts {parts} measured {shown} against {ref or 0:.1f} samples/s{means}; "
-                      f"later trials keep {keep}")
+            self.note(f"      partition: parts {parts} measured {shown} against {ref or 0:.1f} samples/s"
+                      f"{' (means of the A B B A runs)' if abba else ''}; later trials keep {keep}")
         self.info.update(parts=self.kept, kept_samples_per_second=_mean(self.reference) if self.kept else None)
         self._write()
         last, _, summary = self.runs[-1]

@@ -247,17 +247,7 @@ class Tuner:
         crash_point("after-finish", number)
         best = self.study.best()
         is_best = best is not None and best.number == number and outcome.result.ok
-        if self.balancer is not None:
-            self.balancer.after(number, proposal, outcome.result.ok, outcome.result.samples_per_second,
-                                outcome.summary, is_best=is_best, room=self.budget - len(self.study.counted()))
-        if self.checkpointing is not None:
-            earlier = [t.samples_per_second for t in self.study.counted()
-                       if t.number != number and t.status == STATUS_OK and t.samples_per_second]
-            self.checkpointing.after(number, cfg, proposal.source, outcome.result.ok,
-                                     outcome.result.failure_reason, outcome.result.samples_per_second,
-                                     max(earlier) if earlier else None)
-        self._held[number] = (cfg, outcome.result)
-        self._tell_settled()
+        # the trial's row and its own notes first, then what the model-setting steps decided from it
         self.display.trial_row(number, cfg, proposal.source, outcome.result.status, outcome.summary,
                                _failure_text(outcome), is_best)
         if outcome.summary is not None and outcome.summary.stopped_early and incumbent is not None:
@@ -270,6 +260,17 @@ class Tuner:
                               f"{outcome.failure_detail or 'no detail'}; log kept in {log}")
         if proposal.reason and proposal.source not in ("baseline",):
             self.display.note(f"      why: {proposal.reason}")
+        if self.balancer is not None:
+            self.balancer.after(number, proposal, outcome.result.ok, outcome.result.samples_per_second,
+                                outcome.summary, is_best=is_best, room=self.budget - len(self.study.counted()))
+        if self.checkpointing is not None:
+            earlier = [t.samples_per_second for t in self.study.counted()
+                       if t.number != number and t.status == STATUS_OK and t.samples_per_second]
+            self.checkpointing.after(number, cfg, proposal.source, outcome.result.ok,
+                                     outcome.result.failure_reason, outcome.result.samples_per_second,
+                                     max(earlier) if earlier else None)
+        self._held[number] = (cfg, outcome.result)
+        self._tell_settled()
         if self.exporter is not None:
             self.exporter.trial_finished(number, cfg, outcome.result.status,
                                          outcome.result.samples_per_second, outcome.summary, fired)
