@@ -119,6 +119,15 @@ def describe_result(info: dict[str, Any] | None) -> str | None:
     """One line for the end of a run and report.md: the decision and what to write in the code."""
     if not info or not info.get("rounds"):
         return None
+    line = _describe_rounds(info)
+    shared = info.get("cores_shared")
+    if line and shared:
+        line += (f" ({shared['ranks']} ranks shared {shared['cores']} cores: throughput followed the stages' "
+                 "summed work, not the slowest stage)")
+    return line
+
+
+def _describe_rounds(info: dict[str, Any]) -> str | None:
     if info.get("parts") is not None:
         last = next(r for r in reversed(info["rounds"]) if r.get("kept"))
         code = (info.get("in_your_code") or {}).get("text") or f"PARTS = {info['parts']} (docs/partition.md)"
@@ -230,6 +239,10 @@ class StageBalancer:
         """What the last plan found (`plans` in partition.json: each plan's trial, imbalance and outcome)."""
         self.layers: tuple[list[float], list[int], list[float]] | None = None
         """(costs, parameters, stage fixed seconds) the last plan was made from: what `builtin_equivalent` compares."""
+        self._room = 1 << 30
+        """Trials the budget has left after the trial `after` is handling."""
+        self._followed: str | None = None
+        """In a replay, the source of the trial that followed the one being replayed (None: none yet)."""
 
     @property
     def deciding(self) -> bool:
@@ -259,7 +272,7 @@ class StageBalancer:
         `room`: trials the budget has left (None: no limit), so that a round is started only
         where its trials fit."""
         source, config = proposal.source, proposal.config
-        room = 1 << 30 if room is None else room
+        self._room = 1 << 30 if room is None else room
         measured = bool(ok and samples_per_second is not None)
         if source in ("baseline", COSTS):
             self.planned.add(config.key())
@@ -267,13 +280,12 @@ class StageBalancer:
                 self.reference = [float(samples_per_second)]
                 if source == "baseline":
                     self.info["baseline_samples_per_second"] = float(samples_per_second)
-                if room >= 1:
-                    self._plan(number, config, summary)
+                self._plan(number, config, summary)
             elif source == COSTS:
                 self.note(f"      partition: trial {number} did not finish; the partition stays as it is")
         elif source in (SOURCE, RECHECK) and self.candidate is not None:
             self.runs.append((number, float(samples_per_second) if measured else None, summary))
-            if source == SOURCE and measured and room >= 2 and self._close(float(samples_per_second)):
+            if source == SOURCE and measured and self._close(float(samples_per_second)) and self._room_for(RECHECK, 2):
                 self.pending = [
                     Proposal(config=config, source=RECHECK,
                              reason=f"the candidate parts {self.candidate} measured within the {self.noise:.0%} noise "
@@ -282,14 +294,14 @@ class StageBalancer:
                              reason="the partition in force again, the pair's last run (A B B A)")]
             elif source == SOURCE or not measured:  # one pair decides; a failed candidate is rejected
                 self.pending = [p for p in self.pending if p.source != REFERENCE]
-                self._decide(config, room)
+                self._decide(config)
         elif source == REFERENCE and self.candidate is not None:
             if measured:
                 self.reference.append(float(samples_per_second))
-            self._decide(config, room)
-        elif (measured and is_best and summary is not None and not self.deciding and room >= 2
+            self._decide(config)
+        elif (measured and is_best and summary is not None and not self.deciding
               and self.rounds < MAX_ROUNDS and config.key() not in self.planned
-              and work_imbalance(summary) > THRESHOLD):
+              and work_imbalance(summary) > THRESHOLD and self._room_for(COSTS, 2)):
             self.planned.add(config.key())
             self.pending = [Proposal(
                 config=config, source=COSTS,
@@ -300,6 +312,14 @@ class StageBalancer:
     def next_proposal(self) -> Proposal | None:
         """The step's next trial: each follows from the trial just finished."""
         return self.pending.pop(0) if self.pending else None
+
+    def _room_for(self, source: str, trials: int) -> bool:
+        """May the step start `trials` more trials, the first of `source`? While a resume replays
+        a trial that others followed, what followed it says (`replay`: the budget may differ
+        from the one the run had then); otherwise the budget's room does."""
+        if self._followed is not None:
+            return self._followed == source
+        return self._room >= trials
 
     def _close(self, sps: float) -> bool:
         """Is the candidate's first run within the noise margin of the reference?"""
@@ -336,9 +356,13 @@ class StageBalancer:
         if "measured_parts" not in self.info:
             self.info.update(measured_parts=lc.parts, measured_imbalance=measured,
                              slowest_stage=_slowest(summary))
+            self._say_if_cores_are_shared(lc, summary)
         self.layers = (lc.costs, lc.parameters, lc.stage_fixed_seconds)
         if parts == lc.parts:
             self._write(outcome="no better contiguous partition")
+            return
+        if not self._room_for(SOURCE, 1):
+            self._write(outcome="no trial left in the budget")
             return
         self.candidate, self.runs = parts, []
         self.info["rounds"].append({
@@ -353,7 +377,7 @@ class StageBalancer:
             reason=f"stage {_slowest(summary)} does {measured:.2f}x the mean stage's work; the layer costs of trial "
                    f"{number} balance as parts {parts} (predicted imbalance {imbalance(after):.2f}): {moved}")]
 
-    def _decide(self, config: TrialConfig, room: int) -> None:
+    def _decide(self, config: TrialConfig) -> None:
         """Close the open round by the rule `superseded` replays: kept when no candidate run
         failed and their mean beats the mean of the reference's runs."""
         self.rounds += 1
@@ -382,8 +406,25 @@ class StageBalancer:
         self._write()
         last, _, summary = self.runs[-1]
         if (faster and summary is not None and current["measured_imbalance"] > THRESHOLD
-                and self.rounds < MAX_ROUNDS and room >= 1):
+                and self.rounds < MAX_ROUNDS):
             self._plan(last, config, summary)  # still unbalanced: one more round from its own costs
+
+    def _say_if_cores_are_shared(self, lc: Any, summary: Any) -> None:
+        """On a CPU with fewer cores than ranks, every core is busy all the time and a step takes
+        about the stages' summed work over the cores, whatever the slowest stage does: a round
+        can then read only a tie, and saying so up front beats a verdict that reads like noise.
+        (4 stages of `wide-vocab` on 2 cores: docs/partition.md, "Why 4 stages do not win here".)"""
+        import os
+
+        ranks = lc.stages * int(getattr(summary, "data_parallel_size", 1) or 1)
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        cluster = getattr(self.runner, "cluster", None)
+        if lc.peak_memory_kind == "cuda_max_allocated" or ranks <= cores or getattr(cluster, "multi_node", False):
+            return
+        self.info["cores_shared"] = {"ranks": ranks, "cores": cores}
+        self.note(f"      partition: {ranks} ranks share {cores} cores here, so a step takes about the stages' "
+                  "summed work over the cores, not the slowest stage's time: a balanced partition can read no "
+                  "faster on this machine than the one it replaces (with a core or a device per rank it would)")
 
     def _in_your_code(self, parts: list[int]) -> str:
         if self.layers is None:
@@ -408,8 +449,11 @@ class StageBalancer:
     # -- resume ------------------------------------------------------------------------------
     def replay(self, finished: list[Any], redo: list[Any], budget: int | None = None) -> None:
         """Rebuild the decision from the study's finished trials (a resume), in trial order: each
-        step reads the same layer-cost files and the same best-so-far it read when it ran. A
-        step's trial interrupted (in `redo`) runs again as itself, not a second time."""
+        step reads the same layer-cost files and the same best-so-far it read when it ran, and
+        where the budget's room decided (a recheck, a round), what followed the trial says what
+        was decided (a resume may bring another budget); after the last trial, the budget left.
+        A step's trial interrupted (in `redo`) runs again as itself, not a second time."""
+        from autotune.checkpoint_step import SOURCE as CHECKPOINT
         from autotune.measurements import best_of
         from autotune.summary import TrialSummary
 
@@ -422,11 +466,14 @@ class StageBalancer:
                 summary = TrialSummary.from_dict(t.summary) if t.summary else None
                 ok = t.status == "ok"
                 best = best_of(rows[:i + 1]) if ok and t.source not in HOOKED else None
+                # the checkpoint step's trials go before this step's: look past them
+                self._followed = next((r.source for r in rows[i + 1:] + list(redo) if r.source != CHECKPOINT), None)
                 self.after(t.number, Proposal(config=t.config, source=t.source), ok, t.samples_per_second,
                            summary, is_best=best is not None and best.number == t.number,
                            room=None if budget is None else budget - (i + 1))
         finally:
             self.note = saved
+            self._followed = None
         for t in redo:
             self._drop_pending(t.source)
 

@@ -9,7 +9,7 @@ import json
 
 from builders import healthy_summary
 
-from autotune.balance import COSTS, RECHECK, REFERENCE, SOURCE, StageBalancer
+from autotune.balance import COSTS, RECHECK, REFERENCE, SOURCE, StageBalancer, describe_result
 from autotune.dsconfig import DsConfig
 from autotune.layer_costs import rows_to_csv
 from autotune.measurements import superseded
@@ -256,6 +256,10 @@ def test_a_resume_in_the_middle_of_a_round_runs_only_what_is_left(tmp_path):
     d = StageBalancer(_runner(), tmp_path, note=lambda _: None)
     d.replay(done, [], budget=2)  # the budget left no room for the recheck when trial 1 ended
     assert d.next_proposal() is None and d.kept == [0, 4, 6]
+    # resumed with a larger budget: trial 2 shows that the run decided on the one pair, and so does the replay
+    e = StageBalancer(_runner(), tmp_path, note=lambda _: None)
+    e.replay([*done, _row(2, "bayes", 9.0, config=BIG, imbalance=1.05)], [], budget=20)
+    assert e.next_proposal() is None and e.kept == [0, 4, 6] and not e.deciding
 
 
 def test_a_resume_finds_the_round_the_best_trial_started(tmp_path):
@@ -269,7 +273,34 @@ def test_a_resume_finds_the_round_the_best_trial_started(tmp_path):
     c.replay(done + [_row(2, COSTS, 19.0, config=BIG)], [], budget=10)
     p = c.next_proposal()
     assert p.source == SOURCE and p.config == BIG
+    # the checkpoint step's trial ran first (it goes before this step's): the round still follows
+    bigger = TrialConfig(micro_batch_size=16, gradient_accumulation_steps=1)
+    _costs(tmp_path / "trial-003", [0, 3, 6], [1, 1, 1, 1, 1, 4])
+    f = StageBalancer(_runner(), tmp_path, note=lambda _: None)
+    f.replay(done + [_row(2, "checkpoint", 8.0, config=bigger), _row(3, COSTS, 19.0, config=BIG)], [], budget=10)
+    assert f.next_proposal().source == SOURCE
     slower = [_row(0, "baseline", 30.0, imbalance=1.05), _row(1, "bayes", 20.0, config=BIG)]
     e = StageBalancer(_runner(), tmp_path, note=lambda _: None)
     e.replay(slower, [], budget=10)
     assert e.next_proposal() is None  # trial 1 was not the best: no round
+
+
+def test_the_run_says_when_ranks_share_cores(tmp_path, monkeypatch):
+    """4 ranks on 2 cores: a step follows the summed work, and a round can read only a tie."""
+    def baseline(folder, cores, kind="process_max_rss"):
+        monkeypatch.setattr("os.sched_getaffinity", lambda _pid: set(range(cores)))
+        _costs(folder / "trial-000", [0, 3, 6], [1, 1, 1, 1, 1, 4], kind=kind)
+        notes: list[str] = []
+        b = StageBalancer(_runner(), folder, note=notes.append)
+        b.after(0, Proposal(config=CFG, source="baseline"), True, 10.0,
+                healthy_summary(stage_compute_imbalance=1.4, data_parallel_size=2))  # 2 stages x 2 dp
+        return notes, json.loads((folder / "partition.json").read_text())
+
+    notes, info = baseline(tmp_path / "two", cores=2)
+    assert info["cores_shared"] == {"ranks": 4, "cores": 2} and any("4 ranks share 2 cores" in n for n in notes)
+    info["rounds"][0].update(trial=1, samples_per_second=9.9, kept=False)
+    assert "4 ranks shared 2 cores" in describe_result(info)
+    notes, info = baseline(tmp_path / "many", cores=16)
+    assert "cores_shared" not in info and not any("share" in n for n in notes)
+    notes, info = baseline(tmp_path / "gpu", cores=2, kind="cuda_max_allocated")
+    assert "cores_shared" not in info
