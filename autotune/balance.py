@@ -37,9 +37,9 @@ them as runs of one configuration (a rejected partition dragged the baseline's m
 and was named the best trial; a kept one was averaged with the partition it replaced),
 and the proposer was told a failed partition trial as a failure of the configuration
 (which drops it from the proposer's means and teaches the memory model a false failure).
-`superseded()` names the trials whose measurement does not hold for the partition the
-study runs from then on; `Study.best()`, the report and the tuner's proposer leave them
-out, and the tuner tells the proposer the round's configuration once, with the
+`superseded()` (autotune/measurements.py) names the trials whose measurement does not
+hold for the partition the study runs from then on; `Study.best()`, the report and the
+tuner's proposer leave them out, and the tuner tells the proposer the round's configuration once, with the
 measurement that holds, after the decision (`deciding`). Trials of other configurations
 measured before a later round was kept keep their measurement (they ran with the parts
 then in force); partition.json names the round each kept parts came from.

@@ -279,10 +279,10 @@ class Tuner:
     def _tell_settled(self) -> None:
         """Tell the proposer the held results, unless the partition step or knob sweep is still deciding.
 
-        A partition (or knob) trial runs the baseline's configuration with other parts: the proposer
-        must see that configuration once, with the measurement that holds for the partition
-        later trials run (a failed or slower partition trial is not a run of the baseline's
-        configuration; a kept one replaces the baseline's run). Checkpointed trials are never
+        A partition round (or knob) trial runs a configuration measured before with other parts: the
+        proposer must see that configuration once, with the measurement that holds for the
+        partition later trials run (a failed or slower partition trial is not a run of the
+        configuration; a kept one replaces the runs before it: autotune/measurements.py). Checkpointed trials are never
         told: the proposers' encoding has no checkpoint interval (autotune/checkpoint_step.py)."""
         if getattr(self.balancer, "deciding", False):
             return

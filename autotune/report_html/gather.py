@@ -211,7 +211,7 @@ def gather_study(study: Study) -> StudyReport:
     measurements: dict[tuple, list[float]] = {}
     from autotune.measurements import superseded
 
-    stale = superseded(trials)  # partition and knob trials share the baseline's key (autotune/balance.py)
+    stale = superseded(trials)  # partition and knob trials share a measured key (autotune/measurements.py)
     for t in trials:
         if t.status == STATUS_OK and t.samples_per_second and t.number not in stale:
             measurements.setdefault(t.config.key(), []).append(t.samples_per_second)
