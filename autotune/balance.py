@@ -39,16 +39,18 @@ and the proposer was told a failed partition trial as a failure of the configura
 (which drops it from the proposer's means and teaches the memory model a false failure).
 `superseded()` (autotune/measurements.py) names the trials whose measurement does not
 hold for the partition the study runs from then on; `Study.best()`, the report and the
-tuner's proposer leave them out, and the tuner tells the proposer the round's configuration once, with the
-measurement that holds, after the decision (`deciding`). Trials of other configurations
-measured before a later round was kept keep their measurement (they ran with the parts
-then in force); partition.json names the round each kept parts came from.
+tuner's proposer leave them out, and the tuner tells the proposer the round's
+configuration once, with the measurement that holds, after the decision (`deciding`).
+Trials of other configurations measured before a later round was kept keep their
+measurement (they ran with the parts then in force); partition.json names the round each
+kept parts came from.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -414,8 +416,6 @@ class StageBalancer:
         about the stages' summed work over the cores, whatever the slowest stage does: a round
         can then read only a tie, and saying so up front beats a verdict that reads like noise.
         (4 stages of `wide-vocab` on 2 cores: docs/partition.md, "Why 4 stages do not win here".)"""
-        import os
-
         ranks = lc.stages * int(getattr(summary, "data_parallel_size", 1) or 1)
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         cluster = getattr(self.runner, "cluster", None)
