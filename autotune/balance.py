@@ -53,12 +53,12 @@ import json
 import os
 from collections.abc import Callable
 from pathlib import Path
+from statistics import fmean
 from typing import Any
 
 from autotune.errors import UserError
 from autotune.fileio import write_atomic
 from autotune.measurements import COSTS, HOOKED, OWN_SOURCES, RECHECK, REFERENCE, SOURCE
-from autotune.measurements import mean as _mean
 from autotune.proposers.base import Proposal
 from autotune.space import TrialConfig
 
@@ -325,7 +325,7 @@ class StageBalancer:
 
     def _close(self, sps: float) -> bool:
         """Is the candidate's first run within the noise margin of the reference?"""
-        ref = _mean(self.reference) if self.reference else 0.0
+        ref = fmean(self.reference) if self.reference else 0.0
         return ref > 0 and abs(sps / ref - 1.0) <= self.noise
 
     # -- the decision ------------------------------------------------------------------------
@@ -371,7 +371,7 @@ class StageBalancer:
             "from_trial": number, "config": {"micro_batch_size": config.micro_batch_size,
                                              "gradient_accumulation_steps": config.gradient_accumulation_steps,
                                              "reduce_bucket_size": config.reduce_bucket_size},
-            "from_imbalance": measured, "reference_samples_per_second": _mean(self.reference),
+            "from_imbalance": measured, "reference_samples_per_second": fmean(self.reference),
             "parts": parts, "moves": moved, "predicted_imbalance": imbalance(after)})
         self._write(outcome="round planned")
         self.pending = [Proposal(
@@ -385,13 +385,13 @@ class StageBalancer:
         self.rounds += 1
         parts, self.candidate = self.candidate, None
         runs = [s for _, s, _ in self.runs]
-        sps = _mean(runs) if runs and None not in runs else None
-        ref = _mean(self.reference) if self.reference else None
+        sps = fmean(runs) if runs and None not in runs else None
+        ref = fmean(self.reference) if self.reference else None
         faster = sps is not None and ref is not None and sps > ref
         work = [work_imbalance(m) for _, _, m in self.runs if m is not None]
         current = self.info["rounds"][-1]
         current.update(trial=self.runs[0][0], trials=[n for n, _, _ in self.runs], samples_per_second=sps,
-                       reference_samples_per_second=ref, kept=faster, measured_imbalance=_mean(work) if work else None)
+                       reference_samples_per_second=ref, kept=faster, measured_imbalance=fmean(work) if work else None)
         shown = f"{sps:.1f}" if sps is not None else "a failure"
         abba = len(self.runs) > 1
         if faster:
@@ -404,7 +404,7 @@ class StageBalancer:
             keep = self.kept if self.kept is not None else self.method
             self.note(f"      partition: parts {parts} measured {shown} against {ref or 0:.1f} samples/s"
                       f"{' (means of the A B B A runs)' if abba else ''}; later trials keep {keep}")
-        self.info.update(parts=self.kept, kept_samples_per_second=_mean(self.reference) if self.kept else None)
+        self.info.update(parts=self.kept, kept_samples_per_second=fmean(self.reference) if self.kept else None)
         self._write()
         last, _, summary = self.runs[-1]
         if (faster and summary is not None and current["measured_imbalance"] > THRESHOLD

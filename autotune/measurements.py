@@ -31,8 +31,8 @@ def superseded(trials: list[Any]) -> set[int]:
     """Numbers of the trials whose measurement does not hold for the study's partition.
 
     From the trial rows alone (number, source, status, samples_per_second, config), with the
-    rule `StageBalancer._decide` (autotune/balance.py) applies. A round is a partition trial (`SOURCE`) with its
-    `RECHECK` and `REFERENCE` re-runs; its reference is the measurement in force at its
+    rule `StageBalancer._decide` (autotune/balance.py) applies. A round is a partition trial
+    (`SOURCE`) with its `RECHECK` and `REFERENCE` re-runs; its reference is the measurement in force at its
     configuration: the last `baseline` or `COSTS` trial before it, or the runs of the round
     kept before it. The round is kept when none of its candidate runs failed and their mean
     beats the mean of the reference's runs (with `REFERENCE`). Superseded: every candidate
@@ -62,7 +62,7 @@ def superseded(trials: list[Any]) -> set[int]:
             return
         refs = [float(t.samples_per_second) for t in reference + again if measured(t)]
         if refs and all(measured(t) for t in candidate) and \
-                mean([float(t.samples_per_second) for t in candidate]) > mean(refs):
+                fmean(float(t.samples_per_second) for t in candidate) > fmean(refs):
             key, first = candidate[0].config.key(), candidate[0].number
             out.update(t.number for t in rows if t.number < first and t.config.key() == key)
             out.update(t.number for t in again)
@@ -87,10 +87,6 @@ def superseded(trials: list[Any]) -> set[int]:
     return out
 
 
-def mean(values: list[float]) -> float:
-    return sum(values) / len(values)
-
-
 def best_of(trials: list[Any]) -> Any | None:
     """The configuration with the highest mean samples/s over its successful trials.
 
@@ -98,8 +94,7 @@ def best_of(trials: list[Any]) -> Any | None:
     contenders) are judged by their mean, not by their luckiest run. The row
     returned is that configuration's latest trial, carrying the mean and the
     number of measurements in `repeats`. Trials whose measurement no longer holds
-    (a partition or knob trial not kept, or the runs a kept one replaced:
-    autotune/balance.py `superseded`) share their configuration's key and are left out.
+    (a partition or knob trial not kept, or the runs a kept one replaced: `superseded`) share their configuration's key and are left out.
     A function of the rows alone, so that a resume can ask what the best was after trial N.
     """
     stale = superseded(trials)
@@ -110,5 +105,5 @@ def best_of(trials: list[Any]) -> Any | None:
     if not by_config:
         return None
     runs = max(by_config.values(), key=lambda ts: fmean(t.samples_per_second for t in ts))
-    mean = fmean(t.samples_per_second for t in runs)
-    return dataclasses.replace(runs[-1], samples_per_second=mean, repeats=len(runs))
+    return dataclasses.replace(runs[-1], samples_per_second=fmean(t.samples_per_second for t in runs),
+                               repeats=len(runs))
