@@ -4,7 +4,7 @@ Everything here is inert unless a test asks for it, and grants nothing: it only 
 autotune fail in the documented ways. Three hooks, each off by default:
 
 - `--fault KIND[@TRIAL],...` (hidden option of `autotune run`): a trial's ranks (oom, hang,
-  kill, nan, nometrics, overflow) or its runner (nolauncher, noscript) fail as asked;
+  kill, nan, nometrics, overflow; starthang: rank 1 never finishes its start-up) or its runner (nolauncher, noscript) fail as asked;
   `parse_faults`, `fault_for`, and `inject_rank_fault` which the rank script calls each step.
 - `AUTOTUNE_TEST_CRASH_AT=POINT[:N]`: the controller dies at once, as SIGKILL would, at a
   named point (`crash_point`), for the kill-and-resume tests.
@@ -20,7 +20,7 @@ from typing import Any
 
 from autotune.errors import UserError
 
-RANK_FAULTS = ("oom", "hang", "kill", "nan", "nometrics", "overflow")
+RANK_FAULTS = ("oom", "hang", "kill", "nan", "nometrics", "overflow", "starthang")
 """Faults a rank injects (autotune/workload/train.py calls `inject_rank_fault`)."""
 CONTROLLER_FAULTS = ("nolauncher", "noscript")
 """Faults the runner injects: a launcher or training script that does not exist."""
@@ -68,6 +68,14 @@ def crash_point(point: str, number: int | None = None) -> None:
     want, _, n = spec.partition(":")
     if want == point and (not n or number is None or n == str(number)):
         os._exit(99)
+
+
+def inject_startup_fault(fault: str | None, *, fault_rank: int, rank: int) -> None:
+    """In a trial rank, before its process group: `starthang` waits forever, as a rank stuck in
+    its start-up does (the watchdog's case: autotune/watchdog.py)."""
+    if fault == "starthang" and rank == fault_rank:
+        while True:
+            time.sleep(1)
 
 
 def inject_rank_fault(fault: str | None, *, fault_rank: int, engine: Any, rank: int, step: int,

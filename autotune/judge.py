@@ -1,17 +1,19 @@
 """How a trial ended: the classified reason of a failed one, the summary of a finished one.
 
-The reasons (oom, timeout, killed, nonfinite_loss, loss_scale_collapse, crash,
+The reasons (oom, hang, timeout, killed, nonfinite_loss, loss_scale_collapse, crash,
 no_metrics, launcher_missing) and their evidence are the table in docs/robustness.md.
 A trial never crashes the tuning run: every ending is a TrialOutcome.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from autotune.errors import InputFileError
+from autotune.hangs import read_hang
 from autotune.launcher import LaunchOutcome
 from autotune.loaders.metrics import read_trial_columns
 from autotune.proposers.base import STATUS_FAILED, STATUS_OK, TrialResult
@@ -35,6 +37,10 @@ def judge(outcome: LaunchOutcome, trial_dir: Path, timeout: float) -> TrialOutco
     """Classify a finished launch and summarize its metrics."""
     wall = outcome.wall_seconds
     log = _tail(outcome.log_path)
+    if outcome.timed_out or outcome.returncode != 0:
+        hang = read_hang(trial_dir)  # a rank's watchdog saw it stall and wrote where
+        if hang is not None:
+            return failed("hang", hang.describe(), wall)
     if outcome.timed_out:
         return failed("timeout", f"no result within {timeout:.0f} s; every rank was stopped", wall)
     rc = outcome.returncode
@@ -65,6 +71,7 @@ def judge(outcome: LaunchOutcome, trial_dir: Path, timeout: float) -> TrialOutco
     summary = summaries[0] if summaries else None
     if summary is None:
         return failed("no_metrics", "the trial exited 0 but wrote no measured step", wall)
+    summary.startup_seconds = read_startup(trial_dir)
     record = read_record(trial_dir)  # how the ranks ended the steps (autotune/step_budget.py)
     if record is not None:
         summary.stopped_early = bool(record.get("stopped_early"))
@@ -73,6 +80,17 @@ def judge(outcome: LaunchOutcome, trial_dir: Path, timeout: float) -> TrialOutco
         result=TrialResult(status=STATUS_OK, samples_per_second=summary.samples_per_second, summary=summary),
         summary=summary, failure_detail=None, wall_seconds=wall,
     )
+
+
+def read_startup(trial_dir: Path) -> float | None:
+    """The slowest rank's measured start-up (startup-rankR.json, autotune/watchdog.py)."""
+    values = []
+    for p in trial_dir.glob("startup-rank*.json"):
+        try:
+            values.append(float(json.loads(p.read_text(encoding="utf-8"))["seconds"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return max(values) if values else None
 
 
 def _signal_name(signum: int) -> str:

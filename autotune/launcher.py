@@ -13,8 +13,11 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from autotune import ext_locks
 
 TRAIN_SCRIPT = Path(__file__).resolve().parent / "workload" / "train.py"
 
@@ -31,6 +34,9 @@ class LaunchSpec:
     cluster_args: list[str] | None = None
     """DeepSpeed launcher options that place the ranks (--hostfile, --include, --launcher, ...;
     autotune/multinode.py); None: `--num_gpus num_ranks` on this machine."""
+    preflight: Callable[[Mapping[str, str]], None] | None = field(default_factory=lambda: ext_locks.PREFLIGHT)
+    """Run in the controller with the ranks' environment before they start: stale torch
+    extension locks removed, DeepSpeed's ops built (autotune/ext_locks.py); None: nothing."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -93,9 +99,16 @@ class TrialProcess:
         self.started = time.monotonic()
         self.master_port: int | None = None
 
+    def launch_env(self) -> dict[str, str]:
+        """The ranks' environment, after the pre-flight that keeps a stale lock from stalling them."""
+        env = {**os.environ, **accelerator_env(), **self.spec.env}
+        if self.spec.preflight is not None:
+            self.spec.preflight(env)
+        return env
+
     def start(self) -> str | None:
         """Start the launcher; returns an error line when it cannot be started."""
-        env = {**os.environ, **accelerator_env(), **self.spec.env}
+        env = self.launch_env()
         self.spec.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.spec.log_path, "wb")
         self.master_port = free_port()

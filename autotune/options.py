@@ -159,8 +159,13 @@ class RunOptions:
     tuner: str = option("hybrid", "hybrid, bayes, random, grid, ds-autotuner (optuna-gp, optuna-tpe "
                         "with optuna installed).", group="study")
     seed: int = option(0, "Proposer seed.", lo=0, hi=2**32 - 1, group="study")
-    trial_timeout: float | None = option(None, "Seconds per trial (default: derived from the slowest "
-                                         "finished trial).", lo=0, unit="s", group="study", cli_type=float)
+    trial_timeout: float | None = option(None, "Seconds per trial (default: 4x the slowest finished "
+                                         "trial's start-up and steps, scaled to the trial's batch; 900 before "
+                                         "one has finished).", lo=0, unit="s", group="study", cli_type=float)
+    startup_timeout: float | None = option(None, "Seconds a rank's start-up may take before the trial ends as "
+                                           "a hang, with the rank's stack (default: 2x the slowest measured "
+                                           "start-up; 120 before one is measured).", lo=1, unit="s",
+                                           group="study", cli_type=float)
     checkpoint_on_oom: bool = option(True, "When a trial runs out of memory, run its configuration again with "
                                      "activation checkpointing, and keep it if it is the fastest (built-in "
                                      "workload; docs/tuner.md).", flag="--checkpoint-on-oom / --no-checkpoint-on-oom",

@@ -44,6 +44,7 @@ def open_study(opts: RunOptions) -> tuple[Study, RunOptions]:
                             "version?); start a new study with another --study") from None
         resumed.budget, resumed.resume = opts.budget, True
         resumed.trial_timeout = opts.trial_timeout or resumed.trial_timeout
+        resumed.startup_timeout = opts.startup_timeout or resumed.startup_timeout
         resumed.full_budget = opts.full_budget  # whether to stop a converged search is this run's
         for name in ("metrics_port", "rank_metrics_port", "metrics_addr", "no_metrics"):
             setattr(resumed, name, getattr(opts, name))  # where to serve is this run's, not the study's
@@ -68,6 +69,9 @@ def tune(opts: RunOptions, display: ProgressDisplay | None = None, *,
     from autotune.usercmd.job import attach_user_job, prepare_user_job
 
     display = display or ProgressDisplay(budget=opts.budget)
+    from autotune import ext_locks
+
+    ext_locks.PREFLIGHT.note = display.note  # what the pre-flight of every launch says goes to the run's output
     if opts.knobs and not command:
         from autotune.usercmd.knobs import refuse_for_built_in
 
@@ -123,7 +127,8 @@ def tune(opts: RunOptions, display: ProgressDisplay | None = None, *,
             balancer = KnobSweep(runner, runner.knobs, study.root, display.note)
         tuner = Tuner(study=study, runner=runner, space=space, proposer=proposer,
                       baseline=baseline, display=display, budget=opts.budget,
-                      trial_timeout=opts.trial_timeout, rules_fired=fired, exporter=exporter,
+                      trial_timeout=opts.trial_timeout, startup_timeout=opts.startup_timeout,
+                      rules_fired=fired, exporter=exporter,
                       balancer=balancer, checkpointing=_checkpoint_step(opts, base, space, job, display),
                       stop_early=not opts.full_budget)
         try:

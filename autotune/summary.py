@@ -178,6 +178,9 @@ class TrialSummary:
     memory_capacity_bytes: float | None = None
     """The smallest device memory of the trial's ranks (the out-of-memory model's prior
     limit, autotune/proposers/feasibility.py); None on CPU."""
+    startup_seconds: float | None = None
+    """The slowest rank's start-up: process start (a warm worker: taking the trial) to its first
+    step (autotune/watchdog.py). Sets the next trials' start-up limit (autotune/trial_limits.py)."""
 
     def to_dict(self) -> dict:
         return asdict(self)

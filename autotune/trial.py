@@ -17,6 +17,7 @@ from autotune.multinode import Cluster, cluster_args, node_env, stop_on_nodes
 from autotune.options import WorkloadOptions
 from autotune.space import TrialConfig
 from autotune.step_budget import RECORD_NAME as STEP_RECORD
+from autotune.watchdog import StallLimits
 from autotune.workers import WarmWorkers, fresh_reason
 from autotune.workload.trial_spec import SPEC_NAME, TrialSpec
 
@@ -67,7 +68,8 @@ class TrialRunner:
             activation_checkpoint_interval=config.activation_checkpoint_interval,
         ).to_dict()
 
-    def describe(self, number: int, trial_dir: Path, incumbent: tuple[float, float] | None = None) -> TrialSpec:
+    def describe(self, number: int, trial_dir: Path, incumbent: tuple[float, float] | None = None,
+                 stall: StallLimits | None = None) -> TrialSpec:
         """What trial `number`'s ranks are told (written as trial-NNN/trial.json); `incumbent`:
         (samples/s, noise) a trial must plausibly beat not to be stopped early."""
         fault = self.workload.fault_for(number)
@@ -75,14 +77,16 @@ class TrialRunner:
                          metrics_csv=str(trial_dir / "metrics-rank{rank}.csv"),
                          fault=fault if fault in RANK_FAULTS else None,  # a runner fault stays here
                          incumbent_samples_per_second=incumbent[0] if incumbent else None,
-                         noise=incumbent[1] if incumbent else 0.10)
+                         noise=incumbent[1] if incumbent else 0.10,
+                         limits=stall.to_dict() if stall is not None else None)
 
     def run(self, number: int, config: TrialConfig, trial_dir: Path, *, timeout: float,
             on_start: Callable[[TrialProcess], None] | None = None,
-            incumbent: tuple[float, float] | None = None) -> TrialOutcome:
+            incumbent: tuple[float, float] | None = None, stall: StallLimits | None = None) -> TrialOutcome:
+        """`stall`: each rank's start-up and step limits (autotune/watchdog.py); None: no watchdog."""
         trial_dir, ds_path = prepare_trial_dir(trial_dir, self.ds_config_for(config))
         fault = self.workload.fault_for(number)
-        description = self.describe(number, trial_dir, incumbent)
+        description = self.describe(number, trial_dir, incumbent, stall)
         spec = LaunchSpec(
             num_ranks=self.workload.world_size,
             script_args=["--trial-spec", str(description.write(trial_dir / SPEC_NAME))],
@@ -134,7 +138,8 @@ def prepare_trial_dir(trial_dir: Path, ds_config: dict, *, stale: tuple[str, ...
     `stale` patterns; its log kept aside), with the trial's ds_config.json written in it."""
     trial_dir = trial_dir.resolve()  # absolute in every command line: leftovers are found by it
     trial_dir.mkdir(parents=True, exist_ok=True)
-    for pattern in ("metrics-rank*.csv", "layer-costs-rank*.csv", STEP_RECORD, *stale):  # a re-run after an interruption starts clean
+    for pattern in ("metrics-rank*.csv", "layer-costs-rank*.csv", "hang-rank*.txt", "startup-rank*.json",
+                    STEP_RECORD, *stale):  # a re-run after an interruption starts clean
         for old in trial_dir.glob(pattern):
             old.unlink()
     keep_old_log(trial_dir / "launcher.log")

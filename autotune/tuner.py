@@ -26,6 +26,7 @@ from typing import Any
 
 from autotune import search_stop
 from autotune.display import ProgressDisplay
+from autotune.errors import AutotuneError
 from autotune.faults import crash_point
 from autotune.judge import TrialOutcome
 from autotune.launcher import leftover_ports, remove_shm_buffers, stop_leftovers
@@ -35,15 +36,12 @@ from autotune.study import STATUS_INTERRUPTED, STATUS_RUNNING, Study, TrialRow
 from autotune.study_outputs import write_outputs
 from autotune.summary import TrialSummary
 from autotune.trial import TrialRunner
+from autotune.trial_limits import TrialLimits, limits_for
 
-DEFAULT_FIRST_TIMEOUT = 900.0
-"""Seconds for trials before one has finished (first runs may compile DeepSpeed ops)."""
-MIN_TIMEOUT = 120.0
 MEASURED_IN_FULL = frozenset({"baseline", "remeasure", "confirm", "recheck"})
 """Proposal sources never stopped early: the reference and the re-measurements."""
 DEFAULT_NOISE = 0.10
 """The early-stop margin where the proposer states none (HybridProposer.noise's default)."""
-TIMEOUT_FACTOR = 4.0
 
 
 @dataclass(kw_only=True, slots=True)
@@ -52,6 +50,10 @@ class TuneResult:
     interrupted: bool = False
     exit_code: int = 0
     """130 after Ctrl-C, 143 after SIGTERM, else 0."""
+
+
+class StartupStalls(AutotuneError):
+    """The ranks' start-up stalls at the same place trial after trial: the run stops with where."""
 
 
 class Stopped(KeyboardInterrupt):
@@ -85,7 +87,7 @@ def _stop_on_signals() -> Iterator[None]:
 class Tuner:
     def __init__(self, *, study: Study, runner: TrialRunner, space: SearchSpace, proposer: Proposer,
                  baseline: TrialConfig, display: ProgressDisplay, budget: int,
-                 trial_timeout: float | None = None,
+                 trial_timeout: float | None = None, startup_timeout: float | None = None,
                  rules_fired: Callable[[TrialSummary], list[str]] | None = None,
                  exporter: Any | None = None, balancer: Any | None = None, checkpointing: Any | None = None,
                  stop_early: bool = True) -> None:
@@ -98,6 +100,11 @@ class Tuner:
         (autotune/checkpoint_step.py)."""
         self.baseline, self.display, self.budget = baseline, display, budget
         self.trial_timeout = trial_timeout
+        self.startup_timeout = startup_timeout
+        """The user's limits (--trial-timeout, --startup-timeout); None: from the measured trials
+        (autotune/trial_limits.py)."""
+        self._startup_hang: str | None = None
+        """Where the last trial hung in its start-up, if it did: the same place twice stops the run."""
         self.rules_fired = rules_fired
         self.exporter = exporter
         self.stop_early = stop_early
@@ -117,6 +124,10 @@ class Tuner:
                     if proposal is None:
                         break  # converged: the note says why
                     self._run_one(proposal)
+            except AutotuneError:  # the run cannot go on (a build holds a lock, start-up stalls)
+                self.study.interrupt_running()
+                self._write()
+                raise
             except KeyboardInterrupt as exc:
                 signum = exc.signum if isinstance(exc, Stopped) else signal.SIGINT
                 for sig in (signal.SIGINT, signal.SIGTERM):  # the cleanup is not cut short
@@ -232,9 +243,10 @@ class Tuner:
         if self.balancer is not None:
             self.balancer.before(number, proposal)
         incumbent = self._incumbent(proposal)
+        limits = self._limits(cfg)
         with self.display.running(number, cfg, proposal.source):
-            outcome = self.runner.run(number, cfg, self.study.trial_dir(number),
-                                      timeout=self._timeout(), on_start=record_group, incumbent=incumbent)
+            outcome = self.runner.run(number, cfg, self.study.trial_dir(number), timeout=limits.timeout,
+                                      on_start=record_group, incumbent=incumbent, stall=limits.stall)
         fired = self.rules_fired(outcome.summary) if (self.rules_fired and outcome.summary) else []
         crash_point("before-finish", number)
         self.study.finish_trial(
@@ -271,6 +283,7 @@ class Tuner:
                                      max(earlier) if earlier else None)
         self._held[number] = (cfg, outcome.result)
         self._tell_settled()
+        self._check_startup_hang(outcome)
         if self.exporter is not None:
             self.exporter.trial_finished(number, cfg, outcome.result.status,
                                          outcome.result.samples_per_second, outcome.summary, fired)
@@ -308,13 +321,22 @@ class Tuner:
             return None
         return float(best.samples_per_second), float(getattr(self.proposer, "noise", DEFAULT_NOISE))
 
-    def _timeout(self) -> float:
-        if self.trial_timeout is not None:
-            return self.trial_timeout
-        walls = [t.wall_seconds for t in self.study.trials() if t.status == STATUS_OK and t.wall_seconds]
-        if not walls:
-            return DEFAULT_FIRST_TIMEOUT
-        return max(MIN_TIMEOUT, TIMEOUT_FACTOR * max(walls))
+    def _limits(self, config: TrialConfig) -> TrialLimits:
+        return limits_for(config, self.study.trials(), trial_timeout=self.trial_timeout,
+                          startup_timeout=self.startup_timeout)
+
+    def _check_startup_hang(self, outcome: TrialOutcome) -> None:
+        """A start-up that stalls at the same place twice in a row will stall every trial: stop.
+
+        A stale extension lock does not get here twice: the launch's pre-flight removes it
+        before the next trial (autotune/ext_locks.py)."""
+        where = None
+        if outcome.result.failure_reason == "hang" and outcome.failure_detail and " in start-up " in outcome.failure_detail:
+            where = outcome.failure_detail.split(": ", 1)[-1].split("; its stack", 1)[0]
+        if where is not None and where == self._startup_hang:
+            raise StartupStalls(f"two trials in a row stalled in their ranks' start-up {where}; every trial "
+                                "would: fix that, then resume with --resume")
+        self._startup_hang = where
 
     def _write(self) -> dict[str, Any]:
         best = self.study.best()

@@ -233,20 +233,17 @@ def test_fault_specs(tmp_path):
 
 
 def test_derived_timeout_follows_the_slowest_finished_trial(tmp_path):
-    from autotune.tuner import DEFAULT_FIRST_TIMEOUT, MIN_TIMEOUT, TIMEOUT_FACTOR, Tuner
+    from autotune.trial_limits import FIRST_TIMEOUT, MIN_TIMEOUT, TIMEOUT_FACTOR, limits_for
 
     st = Study.open(tmp_path / "st", create=True, meta={})
-    tuner = Tuner.__new__(Tuner)
-    tuner.study, tuner.trial_timeout = st, None
-    assert tuner._timeout() == DEFAULT_FIRST_TIMEOUT
     cfg = TrialConfig(micro_batch_size=1, gradient_accumulation_steps=1)
+    assert limits_for(cfg, st.trials()).timeout == FIRST_TIMEOUT
     for n, wall in enumerate((10.0, 50.0)):
         tid = st.start_trial(n, cfg, "x", "")
         st.finish_trial(tid, status=STATUS_OK, samples_per_second=1.0, failure_reason=None,
                         failure_detail=None, summary=None, rules_fired=[], wall_seconds=wall)
-    assert tuner._timeout() == max(MIN_TIMEOUT, TIMEOUT_FACTOR * 50.0)
-    tuner.trial_timeout = 7.0
-    assert tuner._timeout() == 7.0
+    assert limits_for(cfg, st.trials()).timeout == max(MIN_TIMEOUT, TIMEOUT_FACTOR * 50.0)
+    assert limits_for(cfg, st.trials(), trial_timeout=7.0).timeout == 7.0
     st.close()
 
 

@@ -65,6 +65,9 @@ class BootstrapSettings:
     incumbent_samples_per_second: float | None = None
     """Stop the trial early when it cannot plausibly beat this (adaptive steps only)."""
     noise: float = 0.10
+    limits: dict | None = None
+    """How long start-up and a step may take before the rank counts as stalled
+    (autotune/watchdog.py StallLimits as a dict); None: no watchdog (`watch` never has one)."""
 
     @property
     def total_steps(self) -> int:
@@ -85,6 +88,11 @@ def marker_path(trial_dir: str | Path, kind: str, rank: int) -> Path:
 def install(settings: BootstrapSettings) -> None:
     """Patch deepspeed.initialize when the script imports deepspeed (or now, if it already has)."""
     state = _RankState(settings)
+    if settings.limits is not None and settings.mode != MODE_WATCH:
+        from autotune.watchdog import StallLimits, Watchdog
+
+        state.watchdog = Watchdog(settings.trial_dir, state.rank, StallLimits.from_dict(settings.limits))
+        state.watchdog.startup()  # from the interpreter's start: the script's imports, the op load, ...
     if "deepspeed" in sys.modules:
         _patch(sys.modules["deepspeed"], state)
     else:
@@ -152,6 +160,8 @@ class _RankState:
         self.stopping = False
         self.budget: Any = None
         """When the trial's steps end (autotune/step_budget.py); None until the engine is instrumented."""
+        self.watchdog: Any = None
+        """This rank's stall watchdog (autotune/watchdog.py); None in watch mode."""
 
     def write_marker(self, kind: str, payload: dict[str, Any]) -> None:
         path = marker_path(self.settings.trial_dir, kind, self.rank)
@@ -217,6 +227,10 @@ class _RankState:
             return loss
 
         engine.train_batch = train_batch
+        if self.watchdog is not None:
+            from autotune.watchdog import watch_steps
+
+            watch_steps(engine, self.watchdog)  # outermost: the whole step, the step budget's decision too
 
     def stop(self) -> None:
         """End the rank after the trial's last step: metrics flushed, peers at the same point.
@@ -241,6 +255,8 @@ class _RankState:
 
             dist.barrier()
         finally:
+            if self.watchdog is not None:
+                self.watchdog.stop()
             _flush_std()
             os._exit(0)
 

@@ -131,7 +131,8 @@ def prepare_user_job(opts: Any, argv: list[str], note: Callable[[str], None]) ->
     note("start-up check: running the command once, up to deepspeed.initialize, to read the "
          "pipeline's stages and data-parallel size")
     shape, failure, probe_dir = probe_shape(cmd, ds_config=config, cwd=cwd,
-                                            timeout=opts.trial_timeout or PROBE_TIMEOUT)
+                                            timeout=opts.trial_timeout or PROBE_TIMEOUT,
+                                            startup_timeout=opts.startup_timeout)
     if failure is not None:
         raise UserError(f"the command failed its start-up check ({failure.result.failure_reason}): "
                         f"{failure.failure_detail}; log kept in {probe_dir / 'launcher.log'}")

@@ -26,12 +26,13 @@ from pathlib import Path
 
 from autotune.dsconfig import DEEPSPEED_DEFAULT_BUCKET, DsConfig
 from autotune.judge import TrialOutcome, failed, judge
-from autotune.launcher import LaunchOutcome, LaunchSpec, TrialProcess, accelerator_env, free_port
+from autotune.launcher import LaunchOutcome, LaunchSpec, TrialProcess, free_port
 from autotune.multinode import Cluster, node_env, resolve_cluster, stop_on_nodes
 from autotune.space import TrialConfig
 from autotune.trial import prepare_trial_dir
 from autotune.usercmd.command import UserCommand
 from autotune.usercmd.hook import ENV, FILE_ENV, MODE_PROBE, MODE_TRIAL, BootstrapSettings
+from autotune.watchdog import StallLimits
 
 BOOTSTRAP_DIR = Path(__file__).resolve().parent / "bootstrap"
 PROBE_TIMEOUT = 900.0
@@ -53,7 +54,7 @@ class CommandProcess(TrialProcess):
         """The job's own --master_port (`autotune watch` keeps it); None: a free port."""
 
     def start(self) -> str | None:
-        env = {**os.environ, **accelerator_env(), **self.spec.env}
+        env = self.launch_env()
         self.spec.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.master_port = self.own_port or free_port()
         argv = self.command.argv_for(self.ds_config, self.master_port)
@@ -159,14 +160,19 @@ class PipelineShape:
     """The whole model's parameters: each stage's counted once."""
 
 
-def probe_shape(command: UserCommand, *, ds_config: Path, cwd: Path,
-                timeout: float = PROBE_TIMEOUT) -> tuple[PipelineShape | None, TrialOutcome | None, Path]:
+def probe_shape(command: UserCommand, *, ds_config: Path, cwd: Path, timeout: float = PROBE_TIMEOUT,
+                startup_timeout: float | None = None) -> tuple[PipelineShape | None, TrialOutcome | None, Path]:
     """Start the job once, up to deepspeed.initialize, to read stages and dp from its engine.
 
+    Its ranks' start-up has the limit of a first trial (autotune/trial_limits.py): a start-up
+    that stalls is a `hang` within that, not the whole timeout.
     Returns (shape, None, folder) or (None, the classified failure, folder with its log).
     """
+    from autotune.trial_limits import STARTUP_BEFORE_MEASURED
+
     run_dir = Path(tempfile.mkdtemp(prefix="autotune-probe-"))
-    settings = BootstrapSettings(mode=MODE_PROBE, trial_dir=str(run_dir))
+    stall = StallLimits(startup_seconds=startup_timeout or STARTUP_BEFORE_MEASURED)
+    settings = BootstrapSettings(mode=MODE_PROBE, trial_dir=str(run_dir), limits=stall.to_dict())
     outcome = launch(command, ds_config=ds_config, cwd=cwd, run_dir=run_dir, settings=settings,
                      timeout=timeout)
     engines = read_markers(run_dir, "engine")
@@ -227,7 +233,7 @@ class UserCommandRunner:
 
     def run(self, number: int, config: TrialConfig, trial_dir: Path, *, timeout: float,
             on_start: Callable[[TrialProcess], None] | None = None,
-            incumbent: tuple[float, float] | None = None) -> TrialOutcome:
+            incumbent: tuple[float, float] | None = None, stall: StallLimits | None = None) -> TrialOutcome:
         trial_dir, ds_path = prepare_trial_dir(
             trial_dir, self.ds_config_for(config), stale=("engine-rank*.json", "done-rank*.json", "exit-rank*.json"))
         settings = BootstrapSettings(mode=MODE_TRIAL, trial_dir=str(trial_dir), trial=number,
@@ -237,7 +243,8 @@ class UserCommandRunner:
                                      adaptive_steps=self.step_length[0], step_precision=self.step_length[1],
                                      max_steps=self.step_length[2],
                                      incumbent_samples_per_second=incumbent[0] if incumbent else None,
-                                     noise=incumbent[1] if incumbent else 0.10)
+                                     noise=incumbent[1] if incumbent else 0.10,
+                                     limits=stall.to_dict() if stall is not None else None)
         command = self.command
         if self.knobs:  # the script's own flags for the mapped model settings (usercmd/knobs.py)
             from autotune.usercmd.knobs import TRIAL_FILE, apply_knobs

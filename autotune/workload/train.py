@@ -42,8 +42,29 @@ def main(argv: list[str] | None = None) -> int:
     spec = parse_args(argv)
     if spec.fault == "nometrics":  # testing seam: every rank exits 0 at once, no metrics written
         return 0
+    dog = rank_watchdog(spec)
+    dog.startup()  # from this process's start: the launcher's fork, the imports, the op load, the rendezvous
+    startup_fault(spec)
     setup_process(spec.workload.threads)
-    return run_trial(spec).exit_code
+    return run_trial(spec, watchdog=dog).exit_code
+
+
+def startup_fault(spec: TrialSpec) -> None:
+    import os
+
+    from autotune.faults import inject_startup_fault
+
+    inject_startup_fault(spec.fault, fault_rank=spec.fault_rank, rank=int(os.environ.get("RANK", "0")))
+
+
+def rank_watchdog(spec: TrialSpec):
+    """This rank's stall watchdog for the trial (autotune/watchdog.py), writing in its folder."""
+    import os
+
+    from autotune.watchdog import StallLimits, Watchdog
+
+    return Watchdog(os.path.dirname(spec.metrics_csv), int(os.environ.get("RANK", "0")),
+                    StallLimits.from_dict(spec.limits))
 
 
 def setup_process(threads: int) -> None:
@@ -65,11 +86,12 @@ class TrialRun:
     """The loss of every step (0.0 on ranks that do not compute it)."""
 
 
-def run_trial(spec: TrialSpec, *, release: bool = False) -> TrialRun:
+def run_trial(spec: TrialSpec, *, release: bool = False, watchdog=None) -> TrialRun:
     """One trial on this rank: a fresh model and engine from `spec`, warm-up and measured steps.
 
     `release=True` (a warm worker): the engine, the model and the optimizer state are let go
-    afterwards, so the next trial starts from the memory this one started from."""
+    afterwards, so the next trial starts from the memory this one started from. `watchdog`
+    (autotune/watchdog.py) times every step and is stopped when the trial ends well."""
     import deepspeed
     import torch
 
@@ -131,8 +153,14 @@ def run_trial(spec: TrialSpec, *, release: bool = False) -> TrialRun:
                 else batches(tokens, micro_batch=micro, seq=preset.seq_length, seed=wl.seed + dp_rank))
         budget = _step_budget(spec, engine)
         follow_probe(probe, budget)  # the CSV's step times
+        if watchdog is not None:
+            from autotune.watchdog import watch_steps
+
+            watch_steps(engine, watchdog)
         code = _train(spec, engine, data, rank, losses, inject_rank_fault, budget)
         if code == 0:
+            if watchdog is not None:
+                watchdog.stop()
             probe.close_sinks()
             closed = True
         return TrialRun(exit_code=code, losses=losses)

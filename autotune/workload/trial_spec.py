@@ -40,6 +40,9 @@ class TrialSpec:
     (by more than `noise`) stops early (autotune/step_budget.py). None: never stopped early."""
     noise: float = 0.10
     """The between-launch noise margin of that comparison (the tuner's, HybridProposer.noise)."""
+    limits: dict | None = None
+    """How long start-up and a step may take before the rank counts as stalled
+    (autotune/watchdog.py StallLimits as a dict); None: no watchdog."""
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

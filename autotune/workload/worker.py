@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     pool = Path(args.pool)
     rank = int(os.environ.get("RANK", "0"))
     from autotune.workload.groups import existing as process_groups
-    from autotune.workload.train import run_trial, setup_process
+    from autotune.workload.train import rank_watchdog, run_trial, setup_process, startup_fault
     from autotune.workload.trial_spec import TrialSpec
 
     k, ready = 0, False
@@ -125,6 +125,9 @@ def main(argv: list[str] | None = None) -> int:
             if spec_path is None:
                 exit_now(rank, pool)
             spec = TrialSpec.read(spec_path)
+            dog = rank_watchdog(spec)
+            dog.startup(from_process_start=not ready)  # later jobs: from taking the job (the engine build)
+            startup_fault(spec)
             if not ready:
                 setup_process(spec.workload.threads)
                 ready = True
@@ -132,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
             rss_before, dev_before = rss_bytes(), device_bytes()
             print(f"autotune: warm worker rank {rank}: trial {spec.trial} (job {k} of this pool)",
                   file=sys.stderr, flush=True)
-            run = run_trial(spec, release=True)
+            run = run_trial(spec, release=True, watchdog=dog)
             if run.exit_code != 0:
                 return run.exit_code  # as a fresh rank would: the launcher stops the others
             gc.freeze()  # what outlived the trial (imports, the process group) is left out of later collections

@@ -1,0 +1,152 @@
+"""Inside a rank: its stack in the trial folder, and its end, when start-up or a step stalls.
+
+A rank that waits forever (in torch's extension lock, a rendezvous whose peer never
+came, a collective a peer left) makes no progress, and before this the trial waited
+for the controller's whole-trial timeout. Here each rank arms faulthandler's timer:
+when start-up, or one step, takes longer than its limit, faulthandler writes the
+stack of every thread to `hang-rankR.txt` and ends the process (exit code 1). It does
+so from its own C thread, so a main thread stuck inside C++ (gloo, a sleep) is still
+seen. The launcher then stops the other ranks, and the controller classifies the
+trial as `hang`, with where it hung (autotune/hangs.py).
+
+Limits come from the controller (`StallLimits`, from this job's own measured start-up
+and steps: autotune/trial_limits.py). A step's limit also grows with the slowest step
+this rank has run in the trial, so a configuration slower than any before is not
+mistaken for a stall. `startup-rankR.json` records the start-up this rank measured
+(from its process start to its first step), which sets the next trials' limit.
+
+Rank-side: imports nothing of autotune but the data model, and no torch.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import IO, Any
+
+HANG_FILE = "hang-rank{rank}.txt"
+STARTUP_FILE = "startup-rank{rank}.json"
+STEP_FACTOR = 10.0
+"""A step stalls when it takes this many times the slowest step expected or seen."""
+STEP_FLOOR_SECONDS = 60.0
+"""No step limit below this: a collective's first call, a garbage collection, a busy machine."""
+HEADER = "autotune: rank {rank} made no progress in {phase} for {limit:.0f} s"
+
+
+@dataclass(kw_only=True, slots=True)
+class StallLimits:
+    """What a rank may take before it counts as stalled (the controller's; part of the rank plan)."""
+
+    startup_seconds: float | None = None
+    """From the process start (a warm worker: from taking the job) to the first step; None: no limit."""
+    step_seconds: float | None = None
+    """The slowest step this trial's configuration is expected to take; None: not known yet (the
+    first step then has no limit, and later ones follow the steps this rank ran)."""
+
+    def to_dict(self) -> dict[str, float | None]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None) -> StallLimits:
+        d = d or {}
+        return cls(startup_seconds=d.get("startup_seconds"), step_seconds=d.get("step_seconds"))
+
+
+def process_age_seconds() -> float:
+    """Seconds since this process started (the interpreter's start, not the script's)."""
+    try:
+        start_ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+class Watchdog:
+    """One rank's timer: `startup()`, then `step_started()`/`step_ended()` per step, `stop()` at the end."""
+
+    def __init__(self, folder: str | Path, rank: int, limits: StallLimits) -> None:
+        self.folder, self.rank, self.limits = Path(folder), rank, limits
+        self.path = self.folder / HANG_FILE.format(rank=rank)
+        self._file: IO[str] | None = None
+        self._started = time.monotonic()
+        self._age_at_start = 0.0
+        self._step_started: float | None = None
+        self._slowest_step = 0.0
+        self._in_startup = False
+
+    # -- phases ---------------------------------------------------------------
+    def startup(self, *, from_process_start: bool = True) -> None:
+        """Start-up begins (counted from the process start, or from now for a warm worker's job)."""
+        self._started = time.monotonic()
+        self._age_at_start = process_age_seconds() if from_process_start else 0.0
+        self._in_startup = True
+        self._slowest_step = 0.0
+        limit = self.limits.startup_seconds
+        self._arm("start-up", None if limit is None else max(1.0, limit - self._age_at_start))
+
+    def step_started(self) -> None:
+        if self._in_startup:
+            self._in_startup = False
+            self._write_startup(self._age_at_start + time.monotonic() - self._started)
+        self._step_started = time.monotonic()
+        expected = max(self.limits.step_seconds or 0.0, self._slowest_step)
+        self._arm("a training step", max(STEP_FLOOR_SECONDS, STEP_FACTOR * expected) if expected > 0 else None)
+
+    def step_ended(self) -> None:
+        if self._step_started is not None:
+            self._slowest_step = max(self._slowest_step, time.monotonic() - self._step_started)
+            self._step_started = None
+
+    def stop(self) -> None:
+        """The trial ended well on this rank: no timer, no hang file."""
+        faulthandler.cancel_dump_traceback_later()
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        try:
+            self.path.unlink()
+        except OSError:
+            pass
+
+    # -- the timer ------------------------------------------------------------
+    def _arm(self, phase: str, limit: float | None) -> None:
+        faulthandler.cancel_dump_traceback_later()
+        if limit is None:
+            return
+        if self._file is None:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            self._file = open(self.path, "w", encoding="utf-8")  # noqa: SIM115 - faulthandler writes to it later
+        self._file.seek(0)
+        self._file.truncate()
+        self._file.write(HEADER.format(rank=self.rank, phase=phase, limit=limit) + "; the stack of every thread:\n")
+        self._file.flush()
+        faulthandler.dump_traceback_later(limit, repeat=False, file=self._file, exit=True)
+
+    def _write_startup(self, seconds: float) -> None:
+        path = self.folder / STARTUP_FILE.format(rank=self.rank)
+        tmp = path.with_name(path.name + ".tmp")
+        try:
+            tmp.write_text(json.dumps({"rank": self.rank, "seconds": round(seconds, 3)}) + "\n", encoding="utf-8")
+            os.replace(tmp, path)
+        except OSError:
+            pass
+
+
+def watch_steps(engine: Any, dog: Watchdog) -> None:
+    """Time every `engine.train_batch` call with the watchdog (the outermost wrapper: it sees the
+    whole step, the probe's own work included)."""
+    inner = engine.train_batch
+
+    def train_batch(*args: Any, **kwargs: Any) -> Any:
+        dog.step_started()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            dog.step_ended()
+
+    engine.train_batch = train_batch

@@ -1,0 +1,139 @@
+"""A rank that makes no progress writes its stack and ends (autotune/watchdog.py), and the
+controller says where it hung (autotune/hangs.py) and how long the next may take
+(autotune/trial_limits.py)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from autotune.hangs import read_hang, where_hung
+from autotune.space import TrialConfig
+from autotune.study import STATUS_OK, Study
+from autotune.trial_limits import FIRST_TIMEOUT, STARTUP_BEFORE_MEASURED, limits_for
+from autotune.watchdog import STEP_FLOOR_SECONDS, StallLimits, Watchdog
+
+WAIT_ON_LOCK = """
+import sys
+from autotune.watchdog import StallLimits, Watchdog
+dog = Watchdog(sys.argv[1], 1, StallLimits(startup_seconds=float(sys.argv[3])))
+dog.startup(from_process_start=False)
+from torch.utils.file_baton import FileBaton  # torch's own lock, as cpp_extension.load takes it
+FileBaton(sys.argv[2]).wait()
+"""
+
+
+def test_a_rank_waiting_on_a_stale_extension_lock_ends_as_a_hang_that_names_the_lock(tmp_path, monkeypatch):
+    ext = tmp_path / "ext"
+    (ext / "deepspeed_shm_comm").mkdir(parents=True)
+    lock = ext / "deepspeed_shm_comm" / "lock"
+    lock.write_text("")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(ext))
+    trial = tmp_path / "trial-000"
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", WAIT_ON_LOCK, str(trial), str(lock), "4"],
+                          capture_output=True, text=True, timeout=120)
+    took = time.monotonic() - started
+    assert proc.returncode == 1  # faulthandler's exit: the launcher then stops the other ranks
+    assert 4 <= took < 60
+    hang = read_hang(trial)
+    assert hang is not None and hang.rank == 1 and hang.in_startup and hang.limit_seconds == 4
+    assert hang.where.startswith("waiting for torch's extension lock") and str(lock) in hang.where
+    assert "hang-rank1.txt" in hang.describe()
+
+
+def test_a_step_far_slower_than_the_ranks_own_steps_is_a_stall(tmp_path):
+    code = """
+import sys, time
+import autotune.watchdog as w
+w.STEP_FLOOR_SECONDS = 0.5
+dog = w.Watchdog(sys.argv[1], 0, w.StallLimits(startup_seconds=30))
+dog.startup(from_process_start=False)
+for seconds in (0.01, 0.02, 0.01):
+    dog.step_started(); time.sleep(seconds); dog.step_ended()
+dog.step_started()
+time.sleep(30)  # 10x the slowest step (0.2 s) but at least the floor (0.5 s): ends well before this
+"""
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, timeout=60)
+    assert proc.returncode == 1 and time.monotonic() - started < 20
+    hang = read_hang(tmp_path)
+    assert hang is not None and hang.phase == "a training step" and not hang.in_startup
+    assert json.loads((tmp_path / "startup-rank0.json").read_text())["seconds"] < 30
+
+
+def test_a_trial_that_ends_well_leaves_no_hang_file_and_records_its_start_up(tmp_path):
+    dog = Watchdog(tmp_path, 0, StallLimits(startup_seconds=60, step_seconds=1.0))
+    dog.startup(from_process_start=False)
+    time.sleep(0.05)
+    for _ in range(3):
+        dog.step_started()
+        dog.step_ended()
+    dog.stop()
+    assert not list(tmp_path.glob("hang-rank*.txt"))
+    assert read_hang(tmp_path) is None
+    assert 0.04 <= json.loads((tmp_path / "startup-rank0.json").read_text())["seconds"] < 5
+
+
+def test_an_armed_timer_that_never_fired_is_not_a_hang(tmp_path):
+    (tmp_path / "hang-rank0.txt").write_text("autotune: rank 0 made no progress in start-up for 120 s; "
+                                              "the stack of every thread:\n")
+    assert read_hang(tmp_path) is None
+
+
+@pytest.mark.parametrize(("frames", "expected"), [
+    ([("torch/distributed/rendezvous.py", "_create_c10d_store"), ("torch/distributed/distributed_c10d.py", "init_process_group")],
+     "in the process-group rendezvous"),
+    ([("torch/distributed/distributed_c10d.py", "all_reduce"), ("deepspeed/comm/comm.py", "all_reduce")],
+     "in a collective (all_reduce)"),
+    ([("deepspeed/runtime/pipe/p2p.py", "recv"), ("deepspeed/runtime/pipe/engine.py", "_exec_recv_activations")],
+     "in a pipeline recv"),
+    ([("/home/u/train.py", "load_checkpoint"), ("/home/u/train.py", "main")], "at /home/u/train.py:"),
+])
+def test_where_a_rank_hung_is_said_in_words(frames, expected):
+    dump = "Thread 0x00007f00 (most recent call first):\n" + "".join(
+        f'  File "{f}", line {i + 10} in {fn}\n' for i, (f, fn) in enumerate(frames))
+    assert where_hung(dump).startswith(expected)
+
+
+def test_the_lock_is_named_before_the_rendezvous_its_peers_wait_in(tmp_path):
+    for rank, (f, fn) in enumerate([("torch/distributed/rendezvous.py", "_create_c10d_store"),
+                                    ("torch/utils/file_baton.py", "wait")]):
+        (tmp_path / f"hang-rank{rank}.txt").write_text(
+            f"autotune: rank {rank} made no progress in start-up for 20 s; the stack of every thread:\n"
+            f'Thread 0x1 (most recent call first):\n  File "{f}", line 3 in {fn}\n')
+    hang = read_hang(tmp_path)
+    assert hang is not None and hang.rank == 1 and "extension lock" in hang.where
+
+
+def _finish(st: Study, n: int, cfg: TrialConfig, *, wall: float, sps: float, startup: float | None) -> None:
+    tid = st.start_trial(n, cfg, "x", "")
+    st.finish_trial(tid, status=STATUS_OK, samples_per_second=sps, failure_reason=None, failure_detail=None,
+                    summary={"startup_seconds": startup, "data_parallel_size": 1}, rules_fired=[],
+                    wall_seconds=wall)
+
+
+def test_limits_follow_the_jobs_own_measured_start_up_and_steps(tmp_path):
+    st = Study.open(tmp_path / "st", create=True, meta={})
+    small = TrialConfig(micro_batch_size=1, gradient_accumulation_steps=2)
+    large = TrialConfig(micro_batch_size=8, gradient_accumulation_steps=4)
+    first = limits_for(small, st.trials())
+    assert first.timeout == FIRST_TIMEOUT
+    assert first.stall == StallLimits(startup_seconds=STARTUP_BEFORE_MEASURED, step_seconds=None)
+    _finish(st, 0, small, wall=30.0, sps=4.0, startup=12.0)
+    _finish(st, 1, small, wall=32.0, sps=5.0, startup=9.0)
+    lim = limits_for(small, st.trials())
+    assert lim.stall.startup_seconds == 24.0  # 2x the slowest measured start-up
+    assert lim.stall.step_seconds == pytest.approx(2 / 4.0)  # the batch at the slowest speed seen
+    grown = limits_for(large, st.trials())
+    assert grown.stall.step_seconds == pytest.approx(32 / 4.0)  # 16x the batch: 16x the step
+    assert grown.timeout > lim.timeout  # the trial's steps scale with its batch, start-up does not
+    assert grown.timeout == pytest.approx(4 * (9.0 + (32.0 - 9.0) * 16))
+    user = limits_for(small, st.trials(), trial_timeout=50.0, startup_timeout=300.0)
+    assert user.timeout == 50.0 and user.stall.startup_seconds == 300.0
+    assert STEP_FLOOR_SECONDS >= 30  # a step limit is never tighter than this
+    st.close()
