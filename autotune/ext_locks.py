@@ -24,6 +24,7 @@ Nothing but a lock file judged stale is ever removed.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -185,9 +186,27 @@ def clear_stale_locks(env: Mapping[str, str], note: Callable[[str], None], *,
 
 
 def unbuilt_ops(env: Mapping[str, str]) -> list[str]:
-    """The ops the ranks load that no extension root holds a built library of."""
+    """The ops the ranks load that no extension root holds an up-to-date build of.
+
+    A library alone is not enough: a rank killed while it compiled leaves its objects deleted
+    and ninja's log behind, and the next load compiles again (a minute here) inside a rank
+    that has a start-up limit. So ninja itself is asked (`ninja -n`: no work to do)."""
     roots = extension_roots(env)
-    return [op for op in rank_ops(env) if not any((root / op / f"{op}.so").is_file() for root in roots)]
+    return [op for op in rank_ops(env) if not any(is_built(root / op, op, env) for root in roots)]
+
+
+def is_built(build_dir: Path, op: str, env: Mapping[str, str] | None = None) -> bool:
+    """Whether the ninja the ranks would run (the first on their PATH, as torch runs it) has no work."""
+    if not (build_dir / f"{op}.so").is_file() or not (build_dir / "build.ninja").is_file():
+        return False
+    path = (env or os.environ).get("PATH") or os.environ.get("PATH")
+    ninja = shutil.which("ninja", path=path) or str(Path(sys.executable).with_name("ninja"))
+    try:
+        out = subprocess.run([ninja, "-C", str(build_dir), "-n"], capture_output=True, text=True, timeout=30,
+                             stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired):
+        return True  # no ninja to ask: the library is there, the ranks' own load decides
+    return out.returncode == 0 and "no work to do" in out.stdout
 
 
 def build_ops(ops: list[str], env: Mapping[str, str], note: Callable[[str], None], *,
@@ -225,25 +244,26 @@ def build_ops(ops: list[str], env: Mapping[str, str], note: Callable[[str], None
 class Preflight:
     """What the controller does before every launch of ranks: stale locks out, the ops built.
 
-    One per run: the build is tried once per environment, the lock check before every launch
-    (a few stat calls and one walk of /proc when a lock exists)."""
+    Before every launch: the lock check (a few stat calls, one walk of /proc when a lock exists)
+    and ninja's dry run per op (about 10 ms). An op that failed to build is not tried again."""
 
     def __init__(self, note: Callable[[str], None] | None = None, *, wait_limit: float = BUILD_WAIT_SECONDS,
                  build: bool = True) -> None:
         self.note = note or (lambda text: print(text.strip(), file=sys.stderr, flush=True))
         self.wait_limit = wait_limit
         self.build = build
-        self._built: set[tuple[str, ...]] = set()
+        self._failed: set[tuple[str, str]] = set()
 
     def __call__(self, env: Mapping[str, str]) -> None:
         clear_stale_locks(env, self.note, wait_limit=self.wait_limit)
-        key = (env.get("TORCH_EXTENSIONS_DIR", ""), env.get("DS_ACCELERATOR", ""))
-        if self.build and key not in self._built:
-            self._built.add(key)
-            missing = unbuilt_ops(env)
-            if missing:
-                build_ops(missing, env, self.note)
-                clear_stale_locks(env, self.note, wait_limit=self.wait_limit)  # a build cut short
+        if not self.build:
+            return
+        where = env.get("TORCH_EXTENSIONS_DIR", "")
+        missing = [op for op in unbuilt_ops(env) if (where, op) not in self._failed]
+        if missing:
+            for op in build_ops(missing, env, self.note):
+                self._failed.add((where, op))
+            clear_stale_locks(env, self.note, wait_limit=self.wait_limit)  # a build cut short
 
 
 PREFLIGHT = Preflight()

@@ -87,29 +87,29 @@ def where_hung(dump: str) -> str:
 
 
 def _main_thread_frames(dump: str) -> list[tuple[str, str, int]]:
-    """The frames of the 'Current thread' block, innermost first (faulthandler's order)."""
-    out, inside = [], False
+    """The main thread's frames, innermost first (faulthandler's order).
+
+    A dump from faulthandler's own timer thread marks no thread 'Current' and lists the
+    newest thread first, so the main thread is the last block; the watchdog's own exit
+    thread is never the answer."""
+    blocks: list[tuple[bool, list[tuple[str, str, int]]]] = []
     for line in dump.splitlines():
         if line.startswith("Current thread") or line.startswith("Thread "):
-            inside = line.startswith("Current thread")
+            blocks.append((line.startswith("Current thread"), []))
             continue
         m = FRAME.match(line)
-        if inside and m:
-            out.append((m["file"], m["func"], int(m["line"])))
-    if not out:  # faulthandler's watchdog thread is "current": take the first block instead
-        for line in dump.splitlines():
-            m = FRAME.match(line)
-            if m:
-                out.append((m["file"], m["func"], int(m["line"])))
-            elif out:
-                break
-    return out
+        if m and blocks:
+            blocks[-1][1].append((m["file"], m["func"], int(m["line"])))
+    blocks = [(cur, fr) for cur, fr in blocks if fr and not any(f.endswith("watchdog.py") for f, _, _ in fr)]
+    current = [fr for cur, fr in blocks if cur]
+    return current[0] if current else (blocks[-1][1] if blocks else [])
 
 
 def _rank_of_where(where: str) -> int:
-    """The lock is the cause where one rank waits on it and its peers wait in the rendezvous."""
-    for i, prefix in enumerate(("waiting for torch's extension lock", "in the process-group rendezvous",
-                                "in a pipeline", "in a collective")):
+    """Causes before symptoms: a rank waiting on the lock, or stuck in its own code, is why its
+    peers wait for it in a send, a collective or the rendezvous."""
+    for i, prefix in enumerate(("waiting for torch's extension lock", "at ", "in a pipeline", "in a collective",
+                                "in the process-group rendezvous")):
         if where.startswith(prefix):
             return i
     return 9

@@ -74,6 +74,19 @@ def accelerator_env() -> dict[str, str]:
     return env
 
 
+def with_own_tools(path: str) -> str:
+    """PATH with this Python's own bin folder first, as in an activated environment.
+
+    torch builds DeepSpeed's ops with the first `ninja` on the ranks' PATH. The pip `ninja`
+    DeepSpeed brings (1.13) reads a log written by Debian's ninja 1.11 as too old and
+    rebuilds the op from scratch (and the reverse), so ranks started with and without the
+    environment's folder on PATH rebuilt the ops in turn: a minute of compiling inside a
+    rank's start-up, holding the lock a kill then leaves behind."""
+    own = os.path.dirname(sys.executable)
+    parts = [p for p in path.split(os.pathsep) if p]
+    return os.pathsep.join([own, *[p for p in parts if p != own]]) if parts[:1] != [own] else path
+
+
 def _torch_sees_cuda() -> bool:
     if not gpu_device_nodes():  # no GPU device at all: torch would say so after a 1-3 s import
         return False
@@ -102,6 +115,7 @@ class TrialProcess:
     def launch_env(self) -> dict[str, str]:
         """The ranks' environment, after the pre-flight that keeps a stale lock from stalling them."""
         env = {**os.environ, **accelerator_env(), **self.spec.env}
+        env["PATH"] = with_own_tools(env.get("PATH", ""))
         if self.spec.preflight is not None:
             self.spec.preflight(env)
         return env

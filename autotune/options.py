@@ -166,6 +166,9 @@ class RunOptions:
                                            "a hang, with the rank's stack (default: 2x the slowest measured "
                                            "start-up; 120 before one is measured).", lo=1, unit="s",
                                            group="study", cli_type=float)
+    build_wait: float = option(600.0, "Seconds to wait for another process's running build of a DeepSpeed op "
+                               "whose lock the ranks need, before the run stops with the reason "
+                               "(docs/robustness.md).", lo=0, unit="s", group="study", cli_type=float)
     checkpoint_on_oom: bool = option(True, "When a trial runs out of memory, run its configuration again with "
                                      "activation checkpointing, and keep it if it is the fastest (built-in "
                                      "workload; docs/tuner.md).", flag="--checkpoint-on-oom / --no-checkpoint-on-oom",

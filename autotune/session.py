@@ -72,6 +72,7 @@ def tune(opts: RunOptions, display: ProgressDisplay | None = None, *,
     from autotune import ext_locks
 
     ext_locks.PREFLIGHT.note = display.note  # what the pre-flight of every launch says goes to the run's output
+    ext_locks.PREFLIGHT.wait_limit = opts.build_wait
     if opts.knobs and not command:
         from autotune.usercmd.knobs import refuse_for_built_in
 

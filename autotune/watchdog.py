@@ -4,10 +4,10 @@ A rank that waits forever (in torch's extension lock, a rendezvous whose peer ne
 came, a collective a peer left) makes no progress, and before this the trial waited
 for the controller's whole-trial timeout. Here each rank arms faulthandler's timer:
 when start-up, or one step, takes longer than its limit, faulthandler writes the
-stack of every thread to `hang-rankR.txt` and ends the process (exit code 1). It does
-so from its own C thread, so a main thread stuck inside C++ (gloo, a sleep) is still
-seen. The launcher then stops the other ranks, and the controller classifies the
-trial as `hang`, with where it hung (autotune/hangs.py).
+stack of every thread to `hang-rankR.txt` from its own C thread (so a main thread
+stuck inside C++, in gloo or a sleep, is still seen), and a few seconds later the
+rank exits (code 1). The launcher then stops the other ranks, and the controller
+classifies the trial as `hang`, with where it hung (autotune/hangs.py).
 
 Limits come from the controller (`StallLimits`, from this job's own measured start-up
 and steps: autotune/trial_limits.py). A step's limit also grows with the slowest step
@@ -23,6 +23,7 @@ from __future__ import annotations
 import faulthandler
 import json
 import os
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -35,6 +36,10 @@ STEP_FACTOR = 10.0
 STEP_FLOOR_SECONDS = 60.0
 """No step limit below this: a collective's first call, a garbage collection, a busy machine."""
 HEADER = "autotune: rank {rank} made no progress in {phase} for {limit:.0f} s"
+EXIT_GRACE_SECONDS = 5.0
+"""After its dump a rank waits this long before it exits: its peers, whose limits end at about
+the same moment, write theirs before the launcher stops them (the stalled rank's stack is the
+cause, the peers' waits in the rendezvous the symptom)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -78,6 +83,9 @@ class Watchdog:
         self._step_started: float | None = None
         self._slowest_step = 0.0
         self._in_startup = False
+        self._deadline: float | None = None
+        """When the armed limit ends (monotonic); the exit thread ends the rank a grace later."""
+        self._exit_thread: threading.Thread | None = None
 
     # -- phases ---------------------------------------------------------------
     def startup(self, *, from_process_start: bool = True) -> None:
@@ -104,6 +112,7 @@ class Watchdog:
 
     def stop(self) -> None:
         """The trial ended well on this rank: no timer, no hang file."""
+        self._deadline = None
         faulthandler.cancel_dump_traceback_later()
         if self._file is not None:
             self._file.close()
@@ -115,6 +124,7 @@ class Watchdog:
 
     # -- the timer ------------------------------------------------------------
     def _arm(self, phase: str, limit: float | None) -> None:
+        self._deadline = None
         faulthandler.cancel_dump_traceback_later()
         if limit is None:
             return
@@ -125,7 +135,20 @@ class Watchdog:
         self._file.truncate()
         self._file.write(HEADER.format(rank=self.rank, phase=phase, limit=limit) + "; the stack of every thread:\n")
         self._file.flush()
-        faulthandler.dump_traceback_later(limit, repeat=False, file=self._file, exit=True)
+        # The dump comes from faulthandler's C thread: it is written even while the main thread
+        # is stuck in C++. The exit comes from a Python thread, a grace later (see EXIT_GRACE_SECONDS).
+        faulthandler.dump_traceback_later(limit, repeat=False, file=self._file, exit=False)
+        self._deadline = time.monotonic() + limit + EXIT_GRACE_SECONDS
+        if self._exit_thread is None:
+            self._exit_thread = threading.Thread(target=self._exit_when_due, name="autotune-watchdog", daemon=True)
+            self._exit_thread.start()
+
+    def _exit_when_due(self) -> None:
+        while True:
+            time.sleep(0.25)
+            deadline = self._deadline
+            if deadline is not None and time.monotonic() > deadline:
+                os._exit(1)  # the dump is on disk: faulthandler writes to the file descriptor itself
 
     def _write_startup(self, seconds: float) -> None:
         path = self.folder / STARTUP_FILE.format(rank=self.rank)

@@ -33,7 +33,8 @@ def plant(root, op: str, age: float) -> os.PathLike:
 
 
 def env_for(root) -> dict[str, str]:
-    return {"TORCH_EXTENSIONS_DIR": str(root), "DS_ACCELERATOR": "cpu", "HOME": os.environ.get("HOME", "/")}
+    return {"TORCH_EXTENSIONS_DIR": str(root), "DS_ACCELERATOR": "cpu", "HOME": os.environ.get("HOME", "/"),
+            "PATH": f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ.get('PATH', '')}"}
 
 
 def test_roots_follow_torch_extensions_dir_and_the_users_cache(tmp_path):
@@ -108,21 +109,28 @@ def test_the_build_ends_and_the_launch_goes_on(tmp_path):
         builder.wait()
 
 
-def test_unbuilt_ops_are_the_ones_without_a_library(tmp_path):
+def test_unbuilt_ops_are_the_ones_ninja_would_build(tmp_path):
     env = env_for(tmp_path)
     assert unbuilt_ops(env) == ["deepspeed_shm_comm", "fused_adam"]
-    (tmp_path / "fused_adam").mkdir()
-    (tmp_path / "fused_adam" / "fused_adam.so").write_bytes(b"")
-    assert unbuilt_ops(env) == ["deepspeed_shm_comm"]
-    assert unbuilt_ops({**env, "DS_ACCELERATOR": "cuda"}) == []  # a GPU rank loads fused_adam only
+    built = tmp_path / "fused_adam"
+    built.mkdir()
+    (built / "src.c").write_text("")
+    (built / "build.ninja").write_text("rule cp\n  command = cp $in $out\nbuild fused_adam.so: cp src.c\n")
+    assert unbuilt_ops(env) == ["deepspeed_shm_comm", "fused_adam"]  # no library yet
+    (built / "fused_adam.so").write_text("")
+    subprocess.run(["ninja", "-C", str(built)], check=True, capture_output=True, env={**os.environ, **env})
+    assert unbuilt_ops(env) == ["deepspeed_shm_comm"]  # up to date
+    os.utime(built / "src.c", (time.time() + 5, time.time() + 5))  # what a killed compile leaves: work to do
+    assert unbuilt_ops(env) == ["deepspeed_shm_comm", "fused_adam"]
+    assert unbuilt_ops({**env, "DS_ACCELERATOR": "cuda"}) == ["fused_adam"]  # a GPU rank loads fused_adam only
 
 
-def test_preflight_tries_the_build_once_per_environment(tmp_path, monkeypatch):
+def test_preflight_builds_what_is_not_built_and_does_not_retry_a_failed_build(tmp_path, monkeypatch):
     calls: list[list[str]] = []
-    monkeypatch.setattr(ext_locks, "build_ops", lambda ops, env, note, **_: calls.append(ops) or [])
+    monkeypatch.setattr(ext_locks, "build_ops", lambda ops, env, note, **_: calls.append(ops) or ["fused_adam"])
     lock = plant(tmp_path, "deepspeed_shm_comm", age=3600)
     pre = Preflight(note=lambda _: None)
     pre(env_for(tmp_path))
     pre(env_for(tmp_path))
     assert not lock.exists()
-    assert calls == [["deepspeed_shm_comm", "fused_adam"]]
+    assert calls == [["deepspeed_shm_comm", "fused_adam"], ["deepspeed_shm_comm"]]

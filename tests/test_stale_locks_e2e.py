@@ -1,0 +1,143 @@
+"""Nothing a kill leaves behind stalls a later run: real `autotune run`s, real DeepSpeed ranks.
+
+Each test works on its own copy of the machine's torch extension cache, under its own
+TORCH_EXTENSIONS_DIR: a lock is planted or left there, never in the machine's cache.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from launch_helpers import autotune_cli
+from robust_helpers import FAST, alive_under, write_config
+
+from autotune.ext_locks import extension_roots, locks
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parent.parent
+RUN_LIMIT = 420
+"""A run that waited on a stale lock would take the old fixed 900 s timeout per trial."""
+
+
+@pytest.fixture
+def ext_copy(tmp_path) -> Path:
+    """A copy of the machine's built extensions (reused as they are: no rebuild)."""
+    import shutil
+
+    roots = [r for r in extension_roots({"HOME": os.environ.get("HOME", "/")}) if r.name.endswith("_cpu")]
+    if not roots:
+        pytest.skip("no built DeepSpeed CPU ops in the torch extension cache (./scripts/setup builds them)")
+    copy = tmp_path / "ext"
+    shutil.copytree(roots[0], copy, symlinks=True, ignore=shutil.ignore_patterns("lock"))
+    return copy
+
+
+def _env(ext: Path) -> dict[str, str]:
+    return {"TORCH_EXTENSIONS_DIR": str(ext), "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
+            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+
+
+def _trials(study: Path) -> list[tuple]:
+    db = sqlite3.connect(study / "study.db")
+    try:
+        return db.execute("SELECT number, status, failure_reason, failure_detail, wall_seconds FROM trials "
+                          "WHERE status IN ('ok', 'failed') ORDER BY number").fetchall()
+    finally:
+        db.close()
+
+
+def _plant(ext: Path, op: str, age: float) -> Path:
+    lock = ext / op / "lock"
+    lock.write_text("")
+    old = time.time() - age
+    os.utime(lock, (old, old))
+    return lock
+
+
+def test_a_kill_inside_the_op_load_does_not_stall_the_resumed_run(tmp_path, ext_copy):
+    """The issue's sequence: a rank SIGKILLed while it held the extension lock, then a resume."""
+    cfg = write_config(tmp_path)
+    args = ["run", "--budget", "2", "--study", "st", "--config", str(cfg), *FAST, "--no-metrics"]
+    left = None
+    for _attempt in range(5):  # the lock is held for a moment per load: catch it
+        proc = subprocess.Popen([sys.executable, "-m", "autotune", *args], cwd=tmp_path, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, env={**os.environ, **_env(ext_copy)})
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None and not locks([ext_copy]):
+            time.sleep(0.002)
+        proc.send_signal(signal.SIGKILL)  # the controller, then every rank of the trial: no clean-up ran
+        for pid in alive_under(tmp_path / "st"):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        proc.wait()
+        left = locks([ext_copy])
+        if left:
+            break
+    assert left, "no kill landed inside the op load in 5 tries"
+    started = time.monotonic()
+    out = autotune_cli(*args, cwd=tmp_path, env=_env(ext_copy), timeout=RUN_LIMIT)
+    took = time.monotonic() - started
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "removed a stale lock" in out.stdout + out.stderr and str(left[0]) in out.stdout + out.stderr
+    trials = _trials(tmp_path / "st")
+    assert [(n, s) for n, s, *_ in trials] == [(0, "ok"), (1, "ok")]
+    assert not locks([ext_copy]) and not alive_under(tmp_path / "st")
+    assert took < 300
+
+
+def test_a_users_command_runs_past_a_planted_stale_lock(tmp_path, ext_copy):
+    lock = _plant(ext_copy, "deepspeed_shm_comm", age=3600)
+    command = ["deepspeed", "--num_gpus", "2", str(REPO / "examples" / "pipeline_train.py"),
+               "--deepspeed_config", str(REPO / "examples" / "ds_config.json"), "--steps", "100000"]
+    out = autotune_cli("run", "--budget", "2", "--study", "st", "--steps", "2", "--warmup-steps", "1",
+                       "--fixed-steps", "--no-metrics", "--", *command, cwd=tmp_path, env=_env(ext_copy),
+                       timeout=RUN_LIMIT)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert f"removed a stale lock of torch's extension build: {lock}" in out.stdout + out.stderr
+    assert [(n, s) for n, s, *_ in _trials(tmp_path / "st")] == [(0, "ok"), (1, "ok")]
+    assert not lock.exists()
+
+
+def test_a_lock_of_a_running_build_is_kept_and_the_run_refuses_in_one_line(tmp_path, ext_copy):
+    lock = _plant(ext_copy, "deepspeed_shm_comm", age=3600)
+    builder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"], cwd=lock.parent)
+    try:
+        cfg = write_config(tmp_path)
+        started = time.monotonic()
+        out = autotune_cli("run", "--budget", "2", "--study", "st", "--config", str(cfg), *FAST, "--no-metrics",
+                           "--build-wait", "3", cwd=tmp_path, env=_env(ext_copy), timeout=RUN_LIMIT)
+        assert time.monotonic() - started < 120
+        assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
+        errors = [ln for ln in out.stderr.splitlines() if ln.startswith("autotune: error:")]
+        assert len(errors) == 1 and str(lock) in errors[0] and str(builder.pid) in errors[0]
+        assert "Traceback" not in out.stderr
+        assert lock.exists() and builder.poll() is None  # another job's build is never touched
+        assert "waiting for a running build" in out.stdout + out.stderr
+        assert not alive_under(tmp_path / "st")
+    finally:
+        builder.kill()
+        builder.wait()
+
+
+def test_a_rank_stuck_in_its_start_up_is_a_hang_with_its_place_and_the_study_goes_on(tmp_path, ext_copy):
+    cfg = write_config(tmp_path)
+    out = autotune_cli("run", "--budget", "2", "--study", "st", "--config", str(cfg), *FAST, "--no-metrics",
+                       "--fault", "starthang@0", "--startup-timeout", "40", cwd=tmp_path, env=_env(ext_copy),
+                       timeout=RUN_LIMIT)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    trials = _trials(tmp_path / "st")
+    (n0, s0, reason0, detail0, wall0), (n1, s1, *_rest) = trials
+    assert (s0, reason0) == ("failed", "hang") and (n1, s1) == (1, "ok")
+    assert "rank 1 made no progress in start-up for 40 s" in detail0 and "faults.py" in detail0
+    assert wall0 < 90  # the start-up limit, not the 900 s whole-trial timeout
+    assert (tmp_path / "st" / "trial-000" / "hang-rank1.txt").read_text().count("File ") >= 3
+    assert not alive_under(tmp_path / "st")
