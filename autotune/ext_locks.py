@@ -10,9 +10,10 @@ load on the machine waits in `FileBaton.wait` forever. autotune kills ranks rout
 (hangs, timeouts, pool recycling, Ctrl-C, resume clean-ups), so before each launch:
 
 - a lock with no live builder is removed, and the run says so. "No live builder": no
-  process has its working folder in the op's build folder (ninja and the compilers run
-  there; measured with benchmarks/ext_lock_window.py), and the lock is older than
-  `YOUNG_SECONDS` (the holder spends a moment in Python before ninja starts);
+  process holds the lock file open (torch's FileBaton keeps the descriptor of the file it
+  created until it removes it) and none has its working folder in the op's build folder
+  (ninja and the compilers run there). Where some process's descriptors cannot be read
+  (another user's), the lock must also be older than `YOUNG_SECONDS`;
 - a lock with a live builder (another job on a shared node building the op) is never
   touched: the run waits for it with a progress line, then stops with the reason;
 - an op the ranks will load that is not built yet is built here, in a short child
@@ -42,9 +43,10 @@ GPU_OPS = ("fused_adam",)
 BUILDERS = {"deepspeed_shm_comm": "ShareMemCommBuilder", "fused_adam": "FusedAdamBuilder"}
 """DeepSpeed's op builder of each op (accelerator.create_op_builder names)."""
 YOUNG_SECONDS = 10.0
-"""A lock younger than this with no process in its build folder may still be held by a process
-between taking it and starting ninja: wait, do not remove. The longest such moment measured
-here was well under a second (docs/robustness.md, benchmarks/ext_lock_window.py)."""
+"""Where a holder could hide (a process whose descriptors this user may not read), a lock
+younger than this with no process in its build folder may still be held between taking it
+and starting ninja: wait, do not remove. The longest such moment measured here was 47 ms
+beside a CPU burner (docs/robustness.md, benchmarks/ext_lock_window.py)."""
 BUILD_WAIT_SECONDS = 600.0
 """How long a launch waits for someone else's running build before it stops with the reason."""
 PREBUILD_TIMEOUT = 1800.0
@@ -84,7 +86,9 @@ class LockState:
     path: Path
     age_seconds: float
     builders: list[int] = field(default_factory=list)
-    """Live processes that may be building the op (their working folder is its build folder)."""
+    """Live processes that hold the lock open or work in the op's build folder."""
+    seen_all: bool = True
+    """Every process's descriptors could be read: no holder can hide, age does not matter."""
 
     @property
     def op(self) -> str:
@@ -92,7 +96,7 @@ class LockState:
 
     @property
     def stale(self) -> bool:
-        return not self.builders and self.age_seconds >= YOUNG_SECONDS
+        return not self.builders and (self.seen_all or self.age_seconds >= YOUNG_SECONDS)
 
 
 def locks(roots: list[Path]) -> list[Path]:
@@ -106,15 +110,24 @@ def inspect(lock: Path, *, now: float | None = None) -> LockState | None:
         mtime = lock.stat().st_mtime
     except OSError:
         return None
-    return LockState(path=lock, age_seconds=max(0.0, (now or time.time()) - mtime),
-                     builders=builders_in(lock.parent))
+    builders, seen_all = holders(lock)
+    return LockState(path=lock, age_seconds=max(0.0, (now or time.time()) - mtime), builders=builders,
+                     seen_all=seen_all)
 
 
 def builders_in(build_dir: Path) -> list[int]:
-    """Live processes working in `build_dir` (ninja, the compiler, the linker run there), and
-    build tools whose working folder this user may not read (taken as builders to be safe)."""
-    target = os.path.realpath(build_dir)
-    found = []
+    """Live processes working in `build_dir` or holding its lock (see `holders`)."""
+    return holders(build_dir / "lock")[0]
+
+
+def holders(lock: Path) -> tuple[list[int], bool]:
+    """(live processes that hold `lock` open or work in its build folder, whether every process
+    that could hold it was seen). A build tool whose folder this user may not read is counted as
+    a holder; a Python whose descriptors this user may not read makes the answer uncertain (the
+    age rule then applies). Other unreadable processes (an init, a daemon) cannot hold it."""
+    target_dir = os.path.realpath(lock.parent)
+    target = os.path.join(target_dir, lock.name)
+    found, seen_all = [], True
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
@@ -126,14 +139,40 @@ def builders_in(build_dir: Path) -> list[int]:
         try:
             cwd = os.readlink(entry / "cwd")
         except PermissionError:
-            if _program(entry) in BUILD_TOOLS:
+            program = _program(entry)
+            if program in BUILD_TOOLS:
                 found.append(int(entry.name))
+            elif program.startswith("python"):
+                seen_all = False
             continue
         except OSError:
             continue
-        if cwd == target or cwd.startswith(target + os.sep):
+        if cwd == target_dir or cwd.startswith(target_dir + os.sep):
             found.append(int(entry.name))
-    return found
+            continue
+        held = _holds_open(entry, target)
+        if held is None and _program(entry).startswith("python"):
+            seen_all = False
+        elif held:
+            found.append(int(entry.name))
+    return found, seen_all
+
+
+def _holds_open(proc: Path, target: str) -> bool | None:
+    """Whether the process has `target` open; None when its descriptors cannot be read."""
+    try:
+        fds = list((proc / "fd").iterdir())
+    except PermissionError:
+        return None
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            if os.readlink(fd) == target:
+                return True
+        except OSError:
+            continue
+    return False
 
 
 def _program(proc: Path) -> str:

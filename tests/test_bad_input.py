@@ -233,7 +233,13 @@ def test_fault_specs(tmp_path):
 
 
 def test_derived_timeout_follows_the_slowest_finished_trial(tmp_path):
-    from autotune.trial_limits import FIRST_TIMEOUT, MIN_TIMEOUT, TIMEOUT_FACTOR, limits_for
+    from autotune.trial_limits import (
+        FIRST_TIMEOUT,
+        MIN_TIMEOUT,
+        STARTUP_BEFORE_MEASURED,
+        TIMEOUT_FACTOR,
+        limits_for,
+    )
 
     st = Study.open(tmp_path / "st", create=True, meta={})
     cfg = TrialConfig(micro_batch_size=1, gradient_accumulation_steps=1)
@@ -242,7 +248,9 @@ def test_derived_timeout_follows_the_slowest_finished_trial(tmp_path):
         tid = st.start_trial(n, cfg, "x", "")
         st.finish_trial(tid, status=STATUS_OK, samples_per_second=1.0, failure_reason=None,
                         failure_detail=None, summary=None, rules_fired=[], wall_seconds=wall)
-    assert limits_for(cfg, st.trials()).timeout == max(MIN_TIMEOUT, TIMEOUT_FACTOR * 50.0)
+    # the slowest trial's start-up and steps with a margin, and never less than a start-up's limit
+    # and a minimum for the steps
+    assert limits_for(cfg, st.trials()).timeout == max(TIMEOUT_FACTOR * 50.0, STARTUP_BEFORE_MEASURED + MIN_TIMEOUT)
     assert limits_for(cfg, st.trials(), trial_timeout=7.0).timeout == 7.0
     st.close()
 

@@ -123,9 +123,24 @@ def test_fuzz_loaders():
 def test_kill_resume_loop():
     out = run([sys.executable, "benchmarks/kill_resume_loop.py", "--quick"], timeout=900)
     assert figure(out, r"consistency failures: (\d+)", 0, 1e6) == 0
+    assert re.search(r"^\s+1 controller-random\s", out, re.M), out[-3000:]
+    assert re.search(r"^\s+2 controller\+rank-aimed:op-load\s", out, re.M), out[-3000:]  # the round a lock can outlive
     counted = figure(out, r"counted trials (\d+) \(budget", 0, 1e6)
     assert counted == figure(out, r"\(budget (\d+)\)", 1, 1e6)
+    figure(out, r"^final run: rc 0 in (\d+) s", 0, 600)
     assert figure(out, r"processes left (\d+)", 0, 1e6) == 0
+    assert figure(out, r"locks left (\d+)", 0, 1e6) == 0
+    assert figure(out, r"shm buffers left (\d+)", 0, 1e6) == 0
+
+
+def test_ext_lock_window():
+    out = run([sys.executable, "benchmarks/ext_lock_window.py", "--quick"], timeout=300)
+    for op in ("deepspeed_shm_comm", "fused_adam"):
+        row = re.search(rf"^{op}\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)$", out, re.M)
+        assert row is not None, out[-2000:]
+        assert int(row[1]) == 3  # every load took the lock, and the sampler saw it
+        assert float(row[3]) < 0.05  # its creator holds it open until just before it removes it
+    figure(out, r"= 10\.0: (\d+)x the longest stretch", 1, 1e9)
 
 
 def test_gpu_check(tmp_path):

@@ -54,8 +54,29 @@ def test_a_stale_lock_is_removed_and_the_run_says_so(tmp_path):
     assert len(said) == 1 and str(lock) in said[0] and "stale" in said[0]
 
 
-def test_a_young_lock_without_a_builder_is_waited_for_then_removed(tmp_path, monkeypatch):
+def test_a_lock_its_creator_still_holds_open_is_live_wherever_the_creator_works(tmp_path):
+    """torch's FileBaton keeps the descriptor of the lock it created until it removes the file."""
+    lock = tmp_path / "fused_adam" / "lock"
+    lock.parent.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", "import os, sys, time; fd = os.open(sys.argv[1], "
+                               "os.O_CREAT | os.O_EXCL); print('held', flush=True); time.sleep(60)", str(lock)],
+                              stdout=subprocess.PIPE, text=True, cwd=tmp_path)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        state = ext_locks.inspect(lock)
+        assert state is not None and state.builders == [holder.pid] and not state.stale
+        with pytest.raises(ExtensionLockBusy):
+            clear_stale_locks(env_for(tmp_path), lambda _: None, wait_limit=0.5)
+        assert lock.exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    assert ext_locks.inspect(lock).stale  # its creator is gone: nothing holds it (age does not matter)
+
+
+def test_where_a_holder_could_hide_a_young_lock_is_waited_for_then_removed(tmp_path, monkeypatch):
     monkeypatch.setattr(ext_locks, "YOUNG_SECONDS", 1.5)
+    monkeypatch.setattr(ext_locks, "holders", lambda lock: ([], False))  # another user's processes
     lock = plant(tmp_path, "fused_adam", age=0)
     started = time.monotonic()
     clear_stale_locks(env_for(tmp_path), lambda _: None)

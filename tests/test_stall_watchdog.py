@@ -12,9 +12,12 @@ import time
 import pytest
 
 from autotune.hangs import read_hang, where_hung
+from autotune.judge import TrialOutcome, failed
+from autotune.proposers.base import TrialResult
 from autotune.space import TrialConfig
 from autotune.study import STATUS_OK, Study
 from autotune.trial_limits import FIRST_TIMEOUT, STARTUP_BEFORE_MEASURED, limits_for
+from autotune.tuner import StartupStalls
 from autotune.watchdog import STEP_FLOOR_SECONDS, StallLimits, Watchdog
 
 WAIT_ON_LOCK = """
@@ -137,3 +140,82 @@ def test_limits_follow_the_jobs_own_measured_start_up_and_steps(tmp_path):
     assert user.timeout == 50.0 and user.stall.startup_seconds == 300.0
     assert STEP_FLOOR_SECONDS >= 30  # a step limit is never tighter than this
     st.close()
+
+
+# ---- the tuning loop: limits reach the runner, the same start-up wall twice stops the run -------
+
+class StallingRunner:
+    """Trial answers scripted per number; records what limits each trial was given."""
+
+    def __init__(self, plan: dict[int, TrialOutcome]) -> None:
+        self.plan, self.given = plan, {}
+
+    def run(self, number, config, trial_dir, *, timeout, stall=None, **_: object) -> TrialOutcome:
+        self.given[number] = (timeout, stall)
+        return self.plan.get(number) or TrialOutcome(
+            result=TrialResult(status=STATUS_OK, samples_per_second=10.0),
+            summary=None, failure_detail=None, wall_seconds=20.0)
+
+    def ds_config_for(self, config: TrialConfig) -> dict:
+        return {"train_micro_batch_size_per_gpu": config.micro_batch_size}
+
+
+class Quiet:
+    budget = 0
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def note(self, text: str) -> None:
+        self.lines.append(text)
+
+    def running(self, *a, **k):
+        from contextlib import nullcontext
+
+        return nullcontext()
+
+    def trial_row(self, *a, **k) -> None:
+        pass
+
+
+def _hang(where: str) -> TrialOutcome:
+    return failed("hang", f"rank 1 made no progress in start-up for 120 s: {where}; its stack is in x", 121.0)
+
+
+def _tune(root, runner, budget=4):
+    from autotune.proposers.hybrid import HybridProposer
+    from autotune.space import SearchSpace
+    from autotune.tuner import Tuner
+
+    sp = SearchSpace.build(pipeline_stages=2, data_parallel_size=1, zero_stage=1, global_batch=16)
+    study = Study.open(root, create=True)
+    try:
+        return Tuner(study=study, runner=runner, space=sp, display=Quiet(), budget=budget,
+                     baseline=TrialConfig(micro_batch_size=1, gradient_accumulation_steps=16),
+                     proposer=HybridProposer(sp, seed=0, moves=None, budget=budget), stop_early=False).run()
+    finally:
+        study.close()
+
+
+def test_the_same_start_up_stall_twice_in_a_row_stops_the_run_with_where(tmp_path):
+    runner = StallingRunner({1: _hang("at /u/train.py:3 in load"), 2: _hang("at /u/train.py:3 in load")})
+    with pytest.raises(StartupStalls) as err:
+        _tune(tmp_path / "st", runner)
+    assert "at /u/train.py:3 in load" in str(err.value) and "--resume" in str(err.value)
+    assert sorted(runner.given) == [0, 1, 2]  # no third trial ran into the same wall
+    st = Study.open(tmp_path / "st", create=False)
+    try:
+        assert [t.status for t in st.trials()] == ["ok", "failed", "failed"]  # nothing left running
+    finally:
+        st.close()
+    assert (tmp_path / "st" / "summary.json").exists()
+
+
+def test_different_stalls_or_one_stall_do_not_stop_the_run_and_limits_reach_the_runner(tmp_path):
+    runner = StallingRunner({1: _hang("at /u/train.py:3 in load"), 2: _hang("in a collective (all_reduce)")})
+    result = _tune(tmp_path / "st", runner, budget=4)
+    assert result.exit_code == 0 and sorted(runner.given) == [0, 1, 2, 3]
+    first_timeout, first_stall = runner.given[0]
+    assert first_timeout == FIRST_TIMEOUT and first_stall.startup_seconds == STARTUP_BEFORE_MEASURED
+    later_timeout, later_stall = runner.given[3]
+    assert later_timeout < FIRST_TIMEOUT and later_stall.step_seconds is not None  # from trial 0's measurement
