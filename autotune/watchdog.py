@@ -83,9 +83,6 @@ class Watchdog:
         self._step_started: float | None = None
         self._slowest_step = 0.0
         self._in_startup = False
-        self._deadline: float | None = None
-        """When the armed limit ends (monotonic); the exit thread ends the rank a grace later."""
-        self._exit_thread: threading.Thread | None = None
 
     # -- phases ---------------------------------------------------------------
     def startup(self, *, from_process_start: bool = True) -> None:
@@ -112,7 +109,7 @@ class Watchdog:
 
     def stop(self) -> None:
         """The trial ended well on this rank: no timer, no hang file."""
-        self._deadline = None
+        _EXIT.deadline = None
         faulthandler.cancel_dump_traceback_later()
         if self._file is not None:
             self._file.close()
@@ -124,7 +121,7 @@ class Watchdog:
 
     # -- the timer ------------------------------------------------------------
     def _arm(self, phase: str, limit: float | None) -> None:
-        self._deadline = None
+        _EXIT.deadline = None
         faulthandler.cancel_dump_traceback_later()
         if limit is None:
             return
@@ -138,17 +135,7 @@ class Watchdog:
         # The dump comes from faulthandler's C thread: it is written even while the main thread
         # is stuck in C++. The exit comes from a Python thread, a grace later (see EXIT_GRACE_SECONDS).
         faulthandler.dump_traceback_later(limit, repeat=False, file=self._file, exit=False)
-        self._deadline = time.monotonic() + limit + EXIT_GRACE_SECONDS
-        if self._exit_thread is None:
-            self._exit_thread = threading.Thread(target=self._exit_when_due, name="autotune-watchdog", daemon=True)
-            self._exit_thread.start()
-
-    def _exit_when_due(self) -> None:
-        while True:
-            time.sleep(0.25)
-            deadline = self._deadline
-            if deadline is not None and time.monotonic() > deadline:
-                os._exit(1)  # the dump is on disk: faulthandler writes to the file descriptor itself
+        _EXIT.arm(time.monotonic() + limit + EXIT_GRACE_SECONDS)
 
     def _write_startup(self, seconds: float) -> None:
         path = self.folder / STARTUP_FILE.format(rank=self.rank)
@@ -158,6 +145,31 @@ class Watchdog:
             os.replace(tmp, path)
         except OSError:
             pass
+
+
+class _ExitTimer:
+    """The one thread per process that ends the rank a grace after its dump (a warm worker makes
+    a Watchdog per trial; a thread each would be one more thread per trial)."""
+
+    def __init__(self) -> None:
+        self.deadline: float | None = None
+        self._thread: threading.Thread | None = None
+
+    def arm(self, deadline: float) -> None:
+        self.deadline = deadline
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="autotune-watchdog", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(0.25)
+            deadline = self.deadline
+            if deadline is not None and time.monotonic() > deadline:
+                os._exit(1)  # the dump is on disk: faulthandler writes to the file descriptor itself
+
+
+_EXIT = _ExitTimer()
 
 
 def watch_steps(engine: Any, dog: Watchdog) -> None:

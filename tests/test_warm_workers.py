@@ -18,11 +18,14 @@ from autotune.loaders.metrics import read_trial_columns
 from autotune.options import WorkloadOptions
 from autotune.space import TrialConfig
 from autotune.trial import TrialRunner
+from autotune.watchdog import StallLimits
 
 pytestmark = pytest.mark.slow
 
 A = TrialConfig(micro_batch_size=2, gradient_accumulation_steps=4)
 B = TrialConfig(micro_batch_size=4, gradient_accumulation_steps=2)
+STALL = StallLimits(startup_seconds=600.0)
+"""Each rank's watchdog armed, as in a study (autotune/watchdog.py): no thread per trial may stay."""
 
 
 def losses(trial_dir: Path) -> list[float]:
@@ -46,7 +49,7 @@ def warm_and_fresh(tmp_path_factory):
     groups, outcomes = {}, {}
     try:
         for n, (cfg, timeout) in enumerate([(A, 900), (B, 300), (A, 300), (A, 20), (A, 900)]):
-            outcomes[n] = warm.run(n, cfg, root / f"warm-{n}", timeout=timeout,
+            outcomes[n] = warm.run(n, cfg, root / f"warm-{n}", timeout=timeout, stall=STALL,  # as a study runs them
                                    on_start=lambda p, n=n: groups.setdefault(n, p.pgid))
         left_while_warm = alive_under(root)
         pool = warm.warm.pool

@@ -43,7 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     if spec.fault == "nometrics":  # testing seam: every rank exits 0 at once, no metrics written
         return 0
     dog = rank_watchdog(spec)
-    dog.startup()  # from this process's start: the launcher's fork, the imports, the op load, the rendezvous
+    if dog is not None:
+        dog.startup()  # from this process's start: the launcher's fork, the imports, the op load, the rendezvous
     startup_fault(spec)
     setup_process(spec.workload.threads)
     return run_trial(spec, watchdog=dog).exit_code
@@ -58,11 +59,14 @@ def startup_fault(spec: TrialSpec) -> None:
 
 
 def rank_watchdog(spec: TrialSpec):
-    """This rank's stall watchdog for the trial (autotune/watchdog.py), writing in its folder."""
+    """This rank's stall watchdog for the trial (autotune/watchdog.py), writing in its folder;
+    None when the controller set no limits (a runner called directly, outside a study)."""
     import os
 
     from autotune.watchdog import StallLimits, Watchdog
 
+    if spec.limits is None:
+        return None
     return Watchdog(os.path.dirname(spec.metrics_csv), int(os.environ.get("RANK", "0")),
                     StallLimits.from_dict(spec.limits))
 

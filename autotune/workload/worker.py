@@ -126,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
                 exit_now(rank, pool)
             spec = TrialSpec.read(spec_path)
             dog = rank_watchdog(spec)
-            dog.startup(from_process_start=not ready)  # later jobs: from taking the job (the engine build)
+            if dog is not None:  # later jobs: from taking the job (the engine build)
+                dog.startup(from_process_start=not ready)
             startup_fault(spec)
             if not ready:
                 setup_process(spec.workload.threads)
