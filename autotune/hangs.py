@@ -41,6 +41,15 @@ class Hang:
                 f"{self.where}; its stack is in {self.path}")
 
 
+DESCRIBED = re.compile(r"^rank -?\d+ made no progress in (?P<phase>.+?) for \d+ s: (?P<where>.+); its stack is in ")
+
+
+def startup_place(detail: str | None) -> str | None:
+    """Where a `hang` trial's detail (Hang.describe) says its start-up stalled; None otherwise."""
+    m = DESCRIBED.match(detail or "")
+    return m["where"] if m and m["phase"] == "start-up" else None
+
+
 def read_hang(trial_dir: Path) -> Hang | None:
     """The most telling of the stacks the trial's ranks wrote when they stalled; None when none did."""
     found = [h for p in sorted(trial_dir.glob("hang-rank*.txt")) if (h := _read_one(p)) is not None]
@@ -80,6 +89,9 @@ def where_hung(dump: str) -> str:
         if fn in COLLECTIVES:
             return f"in a collective ({fn}): a peer rank stopped or is stuck"
     main = _main_thread_frames(dump)
+    waiting = next(((f, fn) for f, fn, _ in main if "/torch/distributed/" in f or "/deepspeed/comm/" in f), None)
+    if waiting is not None:  # creating a group, a store wait: every rank must arrive
+        return f"in torch.distributed ({waiting[1]}): waiting for a peer rank"
     if main:
         f, fn, line = main[0]
         return f"at {f}:{line} in {fn}"
@@ -108,8 +120,8 @@ def _main_thread_frames(dump: str) -> list[tuple[str, str, int]]:
 def _rank_of_where(where: str) -> int:
     """Causes before symptoms: a rank waiting on the lock, or stuck in its own code, is why its
     peers wait for it in a send, a collective or the rendezvous."""
-    for i, prefix in enumerate(("waiting for torch's extension lock", "at ", "in a pipeline", "in a collective",
-                                "in the process-group rendezvous")):
-        if where.startswith(prefix):
+    for i, prefixes in enumerate((("waiting for torch's extension lock",), ("at ",), ("in a pipeline",),
+                                  ("in a collective",), ("in the process-group rendezvous", "in torch.distributed"))):
+        if where.startswith(prefixes):
             return i
     return 9

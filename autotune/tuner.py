@@ -330,9 +330,9 @@ class Tuner:
 
         A stale extension lock does not get here twice: the launch's pre-flight removes it
         before the next trial (autotune/ext_locks.py)."""
-        where = None
-        if outcome.result.failure_reason == "hang" and outcome.failure_detail and " in start-up " in outcome.failure_detail:
-            where = outcome.failure_detail.split(": ", 1)[-1].split("; its stack", 1)[0]
+        from autotune.hangs import startup_place
+
+        where = startup_place(outcome.failure_detail) if outcome.result.failure_reason == "hang" else None
         if where is not None and where == self._startup_hang:
             raise StartupStalls(f"two trials in a row stalled in their ranks' start-up {where}; every trial "
                                 "would: fix that, then resume with --resume")

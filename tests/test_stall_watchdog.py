@@ -96,11 +96,24 @@ def test_an_armed_timer_that_never_fired_is_not_a_hang(tmp_path):
     ([("deepspeed/runtime/pipe/p2p.py", "recv"), ("deepspeed/runtime/pipe/engine.py", "_exec_recv_activations")],
      "in a pipeline recv"),
     ([("/home/u/train.py", "load_checkpoint"), ("/home/u/train.py", "main")], "at /home/u/train.py:"),
+    ([("/v/torch/distributed/distributed_c10d.py", "_new_process_group_helper"),
+      ("/v/deepspeed/runtime/pipe/module.py", "__init__")], "in torch.distributed (_new_process_group_helper)"),
 ])
 def test_where_a_rank_hung_is_said_in_words(frames, expected):
     dump = "Thread 0x00007f00 (most recent call first):\n" + "".join(
         f'  File "{f}", line {i + 10} in {fn}\n' for i, (f, fn) in enumerate(frames))
     assert where_hung(dump).startswith(expected)
+
+
+def test_a_rank_stuck_in_its_own_code_is_named_before_its_peer_waiting_for_it(tmp_path):
+    stacks = {0: [("/v/torch/distributed/distributed_c10d.py", "_new_process_group_helper")],
+              1: [("/v/autotune/faults.py", "inject_startup_fault"), ("/v/autotune/workload/worker.py", "main")]}
+    for rank, frames in stacks.items():
+        (tmp_path / f"hang-rank{rank}.txt").write_text(
+            f"autotune: rank {rank} made no progress in start-up for 20 s; the stack of every thread:\n"
+            "Thread 0x1 (most recent call first):\n" + "".join(f'  File "{f}", line 3 in {fn}\n' for f, fn in frames))
+    hang = read_hang(tmp_path)
+    assert hang is not None and hang.rank == 1 and hang.where.startswith("at /v/autotune/faults.py:3")
 
 
 def test_the_lock_is_named_before_the_rendezvous_its_peers_wait_in(tmp_path):
