@@ -100,3 +100,23 @@ def not_a_study(root: Path, kind: str) -> None:
     else:
         raise ValueError(kind)
 
+
+
+class RecordingDisplay:
+    """The tuning loop's display for tests that drive a Tuner: notes kept, rows and spinners ignored."""
+
+    budget = 0
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def note(self, text: str) -> None:
+        self.lines.append(text)
+
+    def running(self, *a, **k):
+        from contextlib import nullcontext
+
+        return nullcontext()
+
+    def trial_row(self, *a, **k) -> None:
+        pass

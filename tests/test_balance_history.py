@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 
-from builders import healthy_summary
+from builders import RecordingDisplay, healthy_summary
 
 from autotune.balance import COSTS, SOURCE, StageBalancer, describe_result
 from autotune.judge import TrialOutcome, failed
@@ -97,21 +97,6 @@ class RecordingProposer(HybridProposer):
         return super().ask()
 
 
-class Quiet:
-    budget = 0
-
-    def note(self, _text: str) -> None:
-        pass
-
-    def running(self, *a, **k):
-        from contextlib import nullcontext
-
-        return nullcontext()
-
-    def trial_row(self, *a, **k) -> None:
-        pass
-
-
 def _tune(root, answers: dict[int, float | None], budget: int = 3, knobs: list[str] | None = None,
           imbalances: dict[int, float] | None = None):
     """A study run by the real loop: the partition step, or with `knobs` the knob sweep."""
@@ -124,7 +109,7 @@ def _tune(root, answers: dict[int, float | None], budget: int = 3, knobs: list[s
                 else StageBalancer(runner, study.root, lambda _: None))
     try:
         result = Tuner(study=study, runner=runner, space=_space(), proposer=proposer, baseline=BASE,
-                       display=Quiet(), budget=budget, balancer=balancer, stop_early=False).run()
+                       display=RecordingDisplay(), budget=budget, balancer=balancer, stop_early=False).run()
         best = study.best()
     finally:
         study.close()

@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import json
 
-from builders import healthy_summary
-from test_balance_history import Quiet
+from builders import RecordingDisplay, healthy_summary
 
 from autotune.checkpoint_step import MAX_TRIALS, SOURCE, CheckpointStep
 from autotune.dsconfig import DsConfig
@@ -87,7 +86,7 @@ def _tune(root, budget: int, step: bool = True):
     study = Study.open(root, create=True)
     runner, proposer = CliffRunner(), Climbing(space)
     notes: list[str] = []
-    quiet = Quiet()
+    quiet = RecordingDisplay()
     quiet.note = notes.append
     tuner = Tuner(study=study, runner=runner, space=space, proposer=proposer, baseline=BASE, display=quiet,
                   budget=budget, checkpointing=CheckpointStep(space, notes.append) if step else None,

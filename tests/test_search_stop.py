@@ -9,6 +9,7 @@ import json
 import math
 
 import pytest
+from builders import RecordingDisplay
 from click.testing import CliRunner
 
 from autotune.cli import cli
@@ -134,26 +135,9 @@ class FlatRunner:
         return {"train_micro_batch_size_per_gpu": config.micro_batch_size}
 
 
-class Notes:
-    def __init__(self) -> None:
-        self.lines: list[str] = []
-        self.budget = 0
-
-    def note(self, text: str) -> None:
-        self.lines.append(text)
-
-    def running(self, *a, **k):
-        from contextlib import nullcontext
-
-        return nullcontext()
-
-    def trial_row(self, *a, **k) -> None:
-        pass
-
-
-def tune(root, *, budget: int, stop_early: bool = True) -> tuple[dict, FlatRunner, Notes]:
+def tune(root, *, budget: int, stop_early: bool = True) -> tuple[dict, FlatRunner, RecordingDisplay]:
     study = Study.open(root, create=not (root / "study.db").exists())
-    runner, notes = FlatRunner(), Notes()
+    runner, notes = FlatRunner(), RecordingDisplay()
     sp = space()
     base = TrialConfig(micro_batch_size=1, gradient_accumulation_steps=32, reduce_bucket_size=500_000_000)
     try:

@@ -10,6 +10,7 @@ import sys
 import time
 
 import pytest
+from builders import RecordingDisplay
 
 from autotune.hangs import read_hang, where_hung
 from autotune.judge import TrialOutcome, failed
@@ -173,24 +174,6 @@ class StallingRunner:
         return {"train_micro_batch_size_per_gpu": config.micro_batch_size}
 
 
-class Quiet:
-    budget = 0
-
-    def __init__(self) -> None:
-        self.lines: list[str] = []
-
-    def note(self, text: str) -> None:
-        self.lines.append(text)
-
-    def running(self, *a, **k):
-        from contextlib import nullcontext
-
-        return nullcontext()
-
-    def trial_row(self, *a, **k) -> None:
-        pass
-
-
 def _hang(where: str) -> TrialOutcome:
     return failed("hang", f"rank 1 made no progress in start-up for 120 s: {where}; its stack is in x", 121.0)
 
@@ -203,7 +186,7 @@ def _tune(root, runner, budget=4):
     sp = SearchSpace.build(pipeline_stages=2, data_parallel_size=1, zero_stage=1, global_batch=16)
     study = Study.open(root, create=True)
     try:
-        return Tuner(study=study, runner=runner, space=sp, display=Quiet(), budget=budget,
+        return Tuner(study=study, runner=runner, space=sp, display=RecordingDisplay(), budget=budget,
                      baseline=TrialConfig(micro_batch_size=1, gradient_accumulation_steps=16),
                      proposer=HybridProposer(sp, seed=0, moves=None, budget=budget), stop_early=False).run()
     finally:
