@@ -201,8 +201,9 @@ def clear_stale_locks(env: Mapping[str, str], note: Callable[[str], None], *,
                 except FileNotFoundError:
                     break
                 removed.append(lock)
-                note(f"      removed a stale lock of torch's extension build: {lock} (no build process, "
-                     f"{state.age_seconds:.0f} s old; a process killed while it loaded the op left it)")
+                note(f"      removed a stale lock of torch's extension build: {lock} (no process holds it or "
+                     f"builds in its folder, {state.age_seconds:.0f} s old: a process killed while it loaded "
+                     "the op left it)")
                 break
             if not state.builders:  # young: its holder may not have started ninja yet
                 time.sleep(0.2)

@@ -36,6 +36,10 @@ STEP_FACTOR = 10.0
 STEP_FLOOR_SECONDS = 60.0
 """No step limit below this: a collective's first call, a garbage collection, a busy machine."""
 HEADER = "autotune: rank {rank} made no progress in {phase} for {limit:.0f} s"
+REARM_EVERY_SECONDS = 1.0
+"""A step re-arms the timer only when the last arm is this old (or its limit grew): re-arming
+costs ~0.1 ms (faulthandler starts a thread), a GPU step may be 10 ms. A stall is then found
+at most this much before its limit, which is at least 60 s."""
 EXIT_GRACE_SECONDS = 5.0
 """After its dump a rank waits this long before it exits: its peers, whose limits end at about
 the same moment, write theirs before the launcher stops them (the stalled rank's stack is the
@@ -83,6 +87,8 @@ class Watchdog:
         self._step_started: float | None = None
         self._slowest_step = 0.0
         self._in_startup = False
+        self._armed: tuple[str, float, float] | None = None
+        """(phase, limit, when) of the timer now armed."""
 
     # -- phases ---------------------------------------------------------------
     def startup(self, *, from_process_start: bool = True) -> None:
@@ -92,15 +98,20 @@ class Watchdog:
         self._in_startup = True
         self._slowest_step = 0.0
         limit = self.limits.startup_seconds
-        self._arm("start-up", None if limit is None else max(1.0, limit - self._age_at_start))
+        self._arm("start-up", None if limit is None else max(1.0, limit - self._age_at_start), shown=limit)
 
     def step_started(self) -> None:
         if self._in_startup:
             self._in_startup = False
             self._write_startup(self._age_at_start + time.monotonic() - self._started)
-        self._step_started = time.monotonic()
+        now = self._step_started = time.monotonic()
         expected = max(self.limits.step_seconds or 0.0, self._slowest_step)
-        self._arm("a training step", max(STEP_FLOOR_SECONDS, STEP_FACTOR * expected) if expected > 0 else None)
+        limit = max(STEP_FLOOR_SECONDS, STEP_FACTOR * expected) if expected > 0 else None
+        armed = self._armed
+        if (limit is not None and armed is not None and armed[0] == "a training step" and limit <= armed[1]
+                and now - armed[2] < REARM_EVERY_SECONDS):
+            return  # armed well enough: at most REARM_EVERY_SECONDS early, never late
+        self._arm("a training step", limit)
 
     def step_ended(self) -> None:
         if self._step_started is not None:
@@ -110,6 +121,7 @@ class Watchdog:
     def stop(self) -> None:
         """The trial ended well on this rank: no timer, no hang file."""
         _EXIT.deadline = None
+        self._armed = None
         faulthandler.cancel_dump_traceback_later()
         if self._file is not None:
             self._file.close()
@@ -120,17 +132,22 @@ class Watchdog:
             pass
 
     # -- the timer ------------------------------------------------------------
-    def _arm(self, phase: str, limit: float | None) -> None:
+    def _arm(self, phase: str, limit: float | None, *, shown: float | None = None) -> None:
+        """Arm faulthandler to fire `limit` s from now; the hang file's header says `shown` (the
+        phase's whole limit: a start-up's began at the process start)."""
         _EXIT.deadline = None
+        self._armed = None
         faulthandler.cancel_dump_traceback_later()
         if limit is None:
             return
+        self._armed = (phase, limit, time.monotonic())
         if self._file is None:
             self.folder.mkdir(parents=True, exist_ok=True)
             self._file = open(self.path, "w", encoding="utf-8")  # noqa: SIM115 - faulthandler writes to it later
         self._file.seek(0)
         self._file.truncate()
-        self._file.write(HEADER.format(rank=self.rank, phase=phase, limit=limit) + "; the stack of every thread:\n")
+        self._file.write(HEADER.format(rank=self.rank, phase=phase, limit=shown or limit)
+                         + "; the stack of every thread:\n")
         self._file.flush()
         # The dump comes from faulthandler's C thread: it is written even while the main thread
         # is stuck in C++. The exit comes from a Python thread, a grace later (see EXIT_GRACE_SECONDS).

@@ -26,7 +26,7 @@ After every round: every trial number counted at most once, at most one trial
 `running`, summary.json whole; the extension locks left are counted (a kill during an
 op load leaves one: what must hold is that the next run is not stalled by it). Rounds
 in a row that finished no trial (an aimed round that reached its phase ends such a
-run) while the attempts they killed had been running more than 150 s in all made no
+run) while the attempts they killed had been running more than 80 s in all made no
 progress: a failure.
 
 A last run without a kill must exit 0 within --final-timeout, end with exactly
@@ -79,7 +79,7 @@ MARKERS = {
     "engine-build": ("\n  loss: ", "DeepSpeed info: version=", "DeepSpeed Flops Profiler"),
 }
 RANK_SCRIPTS = ("autotune/workload/train.py", "autotune/workload/worker.py")
-NO_PROGRESS_S = 150.0
+NO_PROGRESS_S = 80.0
 RANK_WINDOW_S = 6.0
 SOURCE_LOCK_WAIT_S = 600.0
 OP_LOAD_POLL_S = 0.002
