@@ -112,10 +112,15 @@ class TrialProcess:
         self.started = time.monotonic()
         self.master_port: int | None = None
 
-    def launch_env(self) -> dict[str, str]:
-        """The ranks' environment, after the pre-flight that keeps a stale lock from stalling them."""
+    def launch_env(self, *, own_tools: bool = True) -> dict[str, str]:
+        """The ranks' environment, after the pre-flight that keeps a stale lock from stalling them.
+
+        `own_tools`: this environment's bin folder first on PATH (the ranks autotune starts with
+        its own Python); the user's own command keeps the PATH it was given, and the pre-flight
+        asks and builds with the ninja that PATH names."""
         env = {**os.environ, **accelerator_env(), **self.spec.env}
-        env["PATH"] = with_own_tools(env.get("PATH", ""))
+        if own_tools:
+            env["PATH"] = with_own_tools(env.get("PATH", ""))
         if self.spec.preflight is not None:
             self.spec.preflight(env)
         return env

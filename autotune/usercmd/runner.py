@@ -54,7 +54,7 @@ class CommandProcess(TrialProcess):
         """The job's own --master_port (`autotune watch` keeps it); None: a free port."""
 
     def start(self) -> str | None:
-        env = self.launch_env()
+        env = self.launch_env(own_tools=False)  # the user's `deepspeed` is the one their PATH names
         self.spec.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.master_port = self.own_port or free_port()
         argv = self.command.argv_for(self.ds_config, self.master_port)
