@@ -30,7 +30,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from autotune.ext_locks import CPU_OPS, YOUNG_SECONDS, extension_roots, holders  # noqa: E402
+from autotune.ext_locks import (  # noqa: E402
+    CPU_OPS,
+    YOUNG_SECONDS,
+    build_ops,
+    extension_roots,
+    holders,
+    unbuilt_ops,
+)
 from autotune.launcher import with_own_tools  # noqa: E402
 
 LOAD = ("from deepspeed.accelerator import get_accelerator\nacc = get_accelerator()\n"
@@ -61,6 +68,11 @@ def main(argv: list[str] | None = None) -> int:
     shutil.copytree(roots[0], ext, symlinks=True, ignore=shutil.ignore_patterns("lock"))
     env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(ext), "DS_ACCELERATOR": "cpu",
            "PATH": with_own_tools(os.environ.get("PATH", ""))}
+    if unbuilt_ops(env):  # built by another ninja or venv: build first, the loads are to be no-ops
+        failed = build_ops(unbuilt_ops(env), env, lambda _text: None)
+        if failed:
+            print(f"could not build {', '.join(failed)} in the copy")
+            return 1
     burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 1)] \
         if args.burner else []
     held = {op: 0.0 for op in CPU_OPS}

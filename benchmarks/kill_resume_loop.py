@@ -491,6 +491,17 @@ def copy_extensions(work: Path) -> tuple[Path, str, dict[str, float]]:
         out = subprocess.run([ninja_cmd, "-C", str(d), "-n"], capture_output=True, text=True, timeout=60)
         states.append(f"{d.name} {'up to date' if 'no work to do' in out.stdout else 'NOT up to date'}")
     how += f"; ninja -n: {', '.join(states) or 'not run'}"
+    if any("NOT" in s for s in states):  # the source was built by another ninja or venv: build here first,
+        # as a run's pre-flight would, so that round 1 is about its kill and not about a build
+        from autotune.ext_locks import build_ops, unbuilt_ops
+        from autotune.launcher import with_own_tools
+
+        env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(ext), "DS_ACCELERATOR": "cpu",
+               "PATH": with_own_tools(os.environ.get("PATH", ""))}
+        started = time.monotonic()
+        failed = build_ops(unbuilt_ops(env), env, lambda _text: None)
+        how += (f"; built in the copy first ({time.monotonic() - started:.0f} s"
+                + (f", failed: {failed})" if failed else ")"))
     return ext, how, so_mtimes(ext)
 
 

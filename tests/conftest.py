@@ -7,6 +7,11 @@ import `benchmarks` and `grafana` helpers; `autotune` and `exporters` still come
 the installation. A stale installation (source edited since) stops the run with the
 command that refreshes it, instead of testing old code.
 
+Every process the tests start sees this environment's bin folder first on PATH, as in an
+activated environment: a benchmark started as `.venv/bin/deepspeed ...` would otherwise run
+its ranks with Debian's ninja, which reads the build log the environment's ninja wrote as
+unusable and compiles DeepSpeed's ops again, minutes inside a rank (docs/robustness.md).
+
 Hypothesis runs derandomized: the same examples every run, so CI cannot fail
 on a case nobody can reproduce. `benchmarks/fuzz_loaders.py` explores fresh
 random cases (10,000+) instead.
@@ -15,6 +20,7 @@ random cases (10,000+) instead.
 from __future__ import annotations
 
 import filecmp
+import os
 import sys
 from pathlib import Path
 
@@ -24,6 +30,10 @@ from hypothesis import settings
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.append(str(REPO))
+
+_OWN_BIN = os.path.dirname(sys.executable)
+if os.environ.get("PATH", "").split(os.pathsep)[:1] != [_OWN_BIN]:
+    os.environ["PATH"] = os.pathsep.join([_OWN_BIN, os.environ.get("PATH", "")])
 
 settings.register_profile("autotune", derandomize=True, deadline=None)
 settings.load_profile("autotune")

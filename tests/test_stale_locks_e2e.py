@@ -62,36 +62,53 @@ def _plant(ext: Path, op: str, age: float) -> Path:
     return lock
 
 
+def _kill_inside_the_op_load(cwd: Path, study: Path, args: list[str], ext: Path) -> list[Path]:
+    """Start a run and SIGKILL it and every rank of its trial the moment a rank takes the lock.
+
+    A no-op load holds it for about 25 ms, so the ranks' pids are gathered beforehand and the
+    kill needs no search; returns the locks left (none when the holder had already let go)."""
+    proc = subprocess.Popen([sys.executable, "-m", "autotune", *args, "--study", str(study)], cwd=cwd,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, **_env(ext)})
+    ranks: list[int] = []
+    refreshed = 0.0
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None and not locks([ext]):
+        if time.monotonic() - refreshed > 0.05:
+            ranks, refreshed = alive_under(study), time.monotonic()
+        time.sleep(0.001)
+    for pid in [*ranks, proc.pid]:  # no clean-up runs anywhere: as a resume's SIGKILL of a rank
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait()
+    for pid in alive_under(study):  # the rest of the trial (its launchers)
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return locks([ext])
+
+
 def test_a_kill_inside_the_op_load_does_not_stall_the_resumed_run(tmp_path, ext_copy):
     """The issue's sequence: a rank SIGKILLed while it held the extension lock, then a resume."""
     cfg = write_config(tmp_path)
-    args = ["run", "--budget", "2", "--study", "st", "--config", str(cfg), *FAST, "--no-metrics"]
-    left = None
-    for _attempt in range(5):  # the lock is held for a moment per load: catch it
-        proc = subprocess.Popen([sys.executable, "-m", "autotune", *args], cwd=tmp_path, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL, env={**os.environ, **_env(ext_copy)})
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and proc.poll() is None and not locks([ext_copy]):
-            time.sleep(0.002)
-        proc.send_signal(signal.SIGKILL)  # the controller, then every rank of the trial: no clean-up ran
-        for pid in alive_under(tmp_path / "st"):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        proc.wait()
-        left = locks([ext_copy])
+    args = ["run", "--budget", "2", "--config", str(cfg), *FAST, "--no-metrics"]
+    left, study = [], tmp_path / "st"
+    for attempt in range(8):  # each try a new study: its pool's start is where the ops load
+        study = tmp_path / f"st{attempt}"
+        left = _kill_inside_the_op_load(tmp_path, study, args, ext_copy)
         if left:
             break
-    assert left, "no kill landed inside the op load in 5 tries"
+    assert left, "no kill landed inside the op load in 8 tries"
     started = time.monotonic()
-    out = autotune_cli(*args, cwd=tmp_path, env=_env(ext_copy), timeout=RUN_LIMIT)
+    out = autotune_cli(*args, "--study", str(study), cwd=tmp_path, env=_env(ext_copy), timeout=RUN_LIMIT)
     took = time.monotonic() - started
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert "removed a stale lock" in out.stdout + out.stderr and str(left[0]) in out.stdout + out.stderr
-    trials = _trials(tmp_path / "st")
+    trials = _trials(study)
     assert [(n, s) for n, s, *_ in trials] == [(0, "ok"), (1, "ok")]
-    assert not locks([ext_copy]) and not alive_under(tmp_path / "st")
+    assert not locks([ext_copy]) and not alive_under(tmp_path)
     assert took < 300
 
 
