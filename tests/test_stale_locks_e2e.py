@@ -19,7 +19,7 @@ import pytest
 from launch_helpers import autotune_cli
 from robust_helpers import FAST, alive_under, write_config
 
-from autotune.ext_locks import extension_roots, locks
+from autotune.ext_locks import build_ops, extension_roots, locks, unbuilt_ops
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parent.parent
@@ -37,6 +37,10 @@ def ext_copy(tmp_path) -> Path:
         pytest.skip("no built DeepSpeed CPU ops in the torch extension cache (./scripts/setup builds them)")
     copy = tmp_path / "ext"
     shutil.copytree(roots[0], copy, symlinks=True, ignore=shutil.ignore_patterns("lock"))
+    env = {**os.environ, **_env(copy)}
+    if unbuilt_ops(env):  # the cache was built for another environment (another clone's venv, another
+        # ninja): build the copy first, so that the ranks' loads are the quick no-ops they are in use
+        assert not build_ops(unbuilt_ops(env), env, lambda _text: None)
     return copy
 
 
