@@ -199,15 +199,25 @@ def _check_ssh(host: str, ssh_port: int | None) -> None:
 
 def node_env_lines(env: dict[str, str], *, cwd: Path | None = None) -> list[str]:
     """The `.deepspeed_env` lines for a trial: the user's own files first (DS_ENV_FILE replaces
-    their name, so they would otherwise be dropped), then what autotune's ranks need."""
+    their name, so they would otherwise be dropped), then what autotune's ranks need. A PATH
+    the user's file sets is theirs: autotune's is then left out."""
     lines: list[str] = []
     name = os.environ.get("DS_ENV_FILE", ".deepspeed_env")
     for folder in (Path.home(), cwd or Path.cwd()):
         f = folder / name
         if f.is_file():
             lines += [ln.rstrip("\n") for ln in f.read_text(encoding="utf-8").splitlines() if "=" in ln]
-    lines += [f"{k}={v}" for k, v in env.items()]
+    users = {ln.split("=", 1)[0].strip() for ln in lines}
+    lines += [f"{k}={v}" for k, v in env.items() if not (k == "PATH" and "PATH" in users)]
     return lines
+
+
+def launch_path(path: str) -> dict[str, str]:
+    """PATH for every node's ranks: the one this launch runs with, so a rank elsewhere finds the
+    same ninja the pre-flight built the ops with (DeepSpeed's runner gives remote ranks the node's
+    login PATH; another ninja there rebuilds the ops inside their start-up, docs/robustness.md).
+    DeepSpeed writes the line unquoted into a shell command: a PATH a shell would split is left out."""
+    return {"PATH": path} if path and not set(path) & set(" \t\n'\"$`\\;&|<>(){}*?!#~") else {}
 
 
 def rank_env() -> dict[str, str]:

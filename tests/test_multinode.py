@@ -25,6 +25,7 @@ from autotune.multinode import (
     ENV_FILE_NAME,
     LauncherOptions,
     cluster_args,
+    launch_path,
     node_env,
     resolve_cluster,
     stop_on_nodes,
@@ -137,6 +138,19 @@ def test_node_env_file_keeps_the_users_own_lines(tmp_path, monkeypatch):
     lines = (trial / ENV_FILE_NAME).read_text().splitlines()
     assert lines[0] == "NCCL_IB_DISABLE=1"  # theirs first: DS_ENV_FILE replaces the file's name
     assert {"DS_ACCELERATOR=cpu", "AUTOTUNE_TEST_X=1", "OMP_NUM_THREADS=1"} <= set(lines)
+
+
+def test_every_node_gets_the_launchs_path_unless_the_users_file_sets_one(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    trial = tmp_path / "trial-000"
+    trial.mkdir()
+    node_env(trial, launch_path("/venv/bin:/usr/bin"), cwd=tmp_path)
+    assert "PATH=/venv/bin:/usr/bin" in (trial / ENV_FILE_NAME).read_text().splitlines()
+    (tmp_path / ".deepspeed_env").write_text("PATH=/their/bin:/usr/bin\n")
+    node_env(trial, launch_path("/venv/bin:/usr/bin"), cwd=tmp_path)
+    assert [ln for ln in (trial / ENV_FILE_NAME).read_text().splitlines() if ln.startswith("PATH=")] == \
+        ["PATH=/their/bin:/usr/bin"]
+    assert launch_path("/my dir/bin:/usr/bin") == {}  # DeepSpeed exports it unquoted: a shell would split it
 
 
 def test_cli_refuses_a_bad_hostfile_before_any_study(tmp_path):

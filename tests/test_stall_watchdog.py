@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 from builders import RecordingDisplay
@@ -19,7 +20,7 @@ from autotune.space import TrialConfig
 from autotune.study import STATUS_OK, Study
 from autotune.trial_limits import FIRST_TIMEOUT, STARTUP_BEFORE_MEASURED, limits_for
 from autotune.tuner import StartupStalls
-from autotune.watchdog import STEP_FLOOR_SECONDS, StallLimits, Watchdog
+from autotune.watchdog import STEP_FLOOR_SECONDS, StallLimits, Watchdog, building_op
 
 WAIT_ON_LOCK = """
 import sys
@@ -48,6 +49,60 @@ def test_a_rank_waiting_on_a_stale_extension_lock_ends_as_a_hang_that_names_the_
     assert hang is not None and hang.rank == 1 and hang.in_startup and hang.limit_seconds == 4
     assert hang.where.startswith("waiting for torch's extension lock") and str(lock) in hang.where
     assert "hang-rank1.txt" in hang.describe()
+
+
+WAIT_FOR_A_LIVE_BUILD = """
+import sys, time
+import autotune.watchdog as w
+w.BUILD_EXTEND_SECONDS = 1.0
+dog = w.Watchdog(sys.argv[1], 1, w.StallLimits(startup_seconds=float(sys.argv[3])))
+dog.startup(from_process_start=False)
+from torch.utils.file_baton import FileBaton
+FileBaton(sys.argv[2]).wait()  # the holder below keeps the lock open, then removes it
+dog.step_started(); dog.step_ended(); dog.stop()
+"""
+
+HOLD_THE_LOCK = """
+import os, sys, time
+fd = os.open(sys.argv[1], os.O_CREAT | os.O_EXCL | os.O_RDWR)  # as torch's FileBaton takes it
+time.sleep(float(sys.argv[2]))
+os.remove(sys.argv[1]); os.close(fd)
+"""
+
+
+def test_a_start_up_waiting_for_a_live_build_outlasts_its_limit_and_goes_on(tmp_path):
+    lock = tmp_path / "ext" / "fused_adam" / "lock"
+    lock.parent.mkdir(parents=True)
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_THE_LOCK, str(lock), "9"])
+    try:
+        while not lock.exists():
+            time.sleep(0.05)
+        started = time.monotonic()
+        proc = subprocess.run([sys.executable, "-c", WAIT_FOR_A_LIVE_BUILD, str(tmp_path / "trial"), str(lock), "3"],
+                              capture_output=True, text=True, timeout=120)
+        took = time.monotonic() - started
+    finally:
+        holder.wait(timeout=60)
+    assert proc.returncode == 0, proc.stderr  # 3 s of start-up limit, 9 s of someone else's build
+    assert took > 6
+    assert read_hang(tmp_path / "trial") is None and not list((tmp_path / "trial").glob("hang-rank*.txt"))
+
+
+def _frames(*places: tuple[str, str], baton: object = None) -> list[SimpleNamespace]:
+    return [SimpleNamespace(f_code=SimpleNamespace(co_filename=f, co_name=fn),
+                            f_locals={"self": baton} if fn == "wait" else {}) for f, fn in places]
+
+
+def test_a_build_is_progress_and_a_lock_nobody_holds_is_not(tmp_path):
+    build = ("/v/torch/utils/cpp_extension.py", "_run_ninja_build"), ("/v/deepspeed/ops/op_builder/builder.py", "load")
+    assert building_op(_frames(("/usr/lib/python3.11/subprocess.py", "run"), *build)) == "building"
+    stale = tmp_path / "lock"
+    stale.write_text("")  # no process holds it open or works in its folder
+    baton = SimpleNamespace(lock_file_path=str(stale))
+    assert building_op(_frames(("/v/torch/utils/file_baton.py", "wait"), *build, baton=baton)) is None
+    gone = SimpleNamespace(lock_file_path=str(tmp_path / "released"))
+    assert building_op(_frames(("/v/torch/utils/file_baton.py", "wait"), *build, baton=gone)) == "waiting for a live build"
+    assert building_op(_frames(("/v/torch/distributed/rendezvous.py", "_create_c10d_store"))) is None
 
 
 def test_a_step_far_slower_than_the_ranks_own_steps_is_a_stall(tmp_path):
