@@ -59,6 +59,7 @@ from typing import Any
 from autotune.errors import UserError
 from autotune.fileio import write_atomic
 from autotune.measurements import COSTS, HOOKED, OWN_SOURCES, RECHECK, REFERENCE, SOURCE
+from autotune.partition import bounding_layer, no_gain_text, partition_balanced, partition_uniform
 from autotune.proposers.base import Proposal
 from autotune.space import TrialConfig
 
@@ -68,6 +69,13 @@ MAX_ROUNDS = 3
 """Rounds (candidate partitions measured) at most in one study."""
 NOISE = 0.10
 """The margin within which a round's pair is measured once more (HybridProposer.noise's default)."""
+GAIN_OF_NOISE = 0.5
+"""A round runs only where the layer costs predict its slowest stage faster than the one in force
+by more than this share of the noise margin (5 % at the default 10 %). Below it even the A B B A
+recheck reads a tie (two warm runs of identical parts read 0.95-1.07 of each other at 2 stages,
+docs/partition.md), and the round spends 2-4 trials to keep or drop parts on a coin toss. The
+whole margin would be too much: a round starts above `THRESHOLD` (1.10), so at 1.10-1.15 a
+perfect partition gains only 5-10 %, and such rounds measured +8-11 % (docs/partition.md)."""
 RESULT_NAME = "partition.json"
 
 
@@ -79,29 +87,53 @@ def work_imbalance(summary: Any) -> float:
 
 
 def builtin_equivalent(parts: list[int], costs: list[float], parameters: list[int],
-                       stage_fixed: list[float] | None = None, *, tolerance: float = 0.02) -> dict[str, Any]:
-    """What a user writes to keep `parts`: a built-in partition_method when its parts are
-    predicted as good (slowest stage within `tolerance`), else the parts list itself.
+                       stage_fixed: list[float] | None = None, *, tolerance: float = 0.02,
+                       names: list[str] | None = None, own: list[int] | None = None,
+                       own_method: str = "the script's own partition_method") -> dict[str, Any]:
+    """What a user writes to keep `parts`: nothing, when the partition the job builds by itself
+    (`own`, measured at its baseline) is predicted as good (slowest stage within `tolerance`);
+    else a built-in partition_method predicted as good; else a `type:REGEX` over the model's
+    own layer classes (`names`) predicted as good; else the parts list itself.
 
     The built-in parts are DeepSpeed's own rules on the measured layers (`uniform`: the
-    layer count; `parameters`: each layer's parameter count, as `_count_layer_params`).
-    `type:REGEX` balances a count of matching layers and is not tried."""
-    from autotune.partition import imbalance, stage_times
+    layer count; `parameters`: each layer's parameter count, as `_count_layer_params`;
+    `type:`: the count of layers whose class the regex finds, `partition.type_parts`)."""
+    from autotune.partition import best_type_method, imbalance, stage_times
 
     stages = len(parts) - 1
     best = max(stage_times(costs, parts, stage_fixed))
     builtin = {"uniform": [int(p) for p in partition_uniform(num_items=len(costs), num_parts=stages)],
                "parameters": [int(p) for p in partition_balanced(weights=parameters, num_parts=stages)]}
     predicted = {m: imbalance(stage_times(costs, p, stage_fixed)) for m, p in builtin.items()}
-    same = [m for m, p in builtin.items()
-            if max(stage_times(costs, p, stage_fixed)) <= best * (1 + tolerance)]
-    if same:
+
+    def as_good(p: list[int]) -> bool:
+        return max(stage_times(costs, p, stage_fixed)) <= best * (1 + tolerance)
+
+    same = [m for m, p in builtin.items() if as_good(p)]
+    typed = best_type_method(names, costs, stages, stage_fixed) if names and len(names) == len(costs) else None
+    if own is not None and len(own) == len(parts) and as_good(own):
+        same = ["own"]
+        text = (f"keep what you have: {own_method} builds {list(own)}, predicted as good as {list(parts)} "
+                f"(imbalance {imbalance(stage_times(costs, own, stage_fixed)):.2f}); nothing to change in the code")
+    elif same:
         m = same[0]
         text = (f"partition_method='{m}' builds {builtin[m]}, predicted as good as {list(parts)}: "
                 f"use PipelineModule(..., partition_method='{m}')")
+    elif typed is not None and as_good(typed[1]):
+        m, p = typed
+        same = [m]
+        builtin[m] = p
+        predicted[m] = imbalance(stage_times(costs, p, stage_fixed))
+        text = (f"partition_method='{m}' (the model's own layer classes) builds {p}, predicted as good as "
+                f"{list(parts)}: use PipelineModule(..., partition_method='{m}')")
     else:
+        none = "no built-in method builds it"
+        if typed is not None:  # the nearest may be a type: regex over the model's own classes
+            builtin[typed[0]] = typed[1]
+            predicted[typed[0]] = imbalance(stage_times(costs, typed[1], stage_fixed))
+            none = "neither a built-in method nor a type: regex over the model's layer classes builds it"
         nearest = min(predicted, key=predicted.__getitem__)
-        text = (f"no built-in method builds it (nearest: '{nearest}' {builtin[nearest]}, predicted imbalance "
+        text = (f"{none} (nearest: '{nearest}' {builtin[nearest]}, predicted imbalance "
                 f"{predicted[nearest]:.2f}): set PARTS = {list(parts)} in the PipelineModule subclass of "
                 "docs/partition.md (\"Keeping the result in your own code\")")
     return {"method": same[0] if same else None, "parts": list(parts), "builtin_parts": builtin,
@@ -119,8 +151,10 @@ def read_result(study_root: str | Path) -> dict[str, Any] | None:
 
 def describe_result(info: dict[str, Any] | None) -> str | None:
     """One line for the end of a run and report.md: the decision and what to write in the code."""
-    if not info or not info.get("rounds"):
+    if not info:
         return None
+    if not info.get("rounds"):  # no round ran: say why, where the layer costs said so
+        return f"partition: {info['no_round']}" if info.get("no_round") else None
     line = _describe_rounds(info)
     shared = info.get("cores_shared")
     if line and shared:
@@ -132,11 +166,13 @@ def describe_result(info: dict[str, Any] | None) -> str | None:
 def _describe_rounds(info: dict[str, Any]) -> str | None:
     if info.get("parts") is not None:
         last = next(r for r in reversed(info["rounds"]) if r.get("kept"))
-        code = (info.get("in_your_code") or {}).get("text") or f"PARTS = {info['parts']} (docs/partition.md)"
+        advice = info.get("in_your_code") or {}
+        code = advice.get("text") or f"PARTS = {info['parts']} (docs/partition.md)"
+        needs = "" if advice.get("method") == "own" else "the best configuration needs it: "
         return (f"partition: parts {info['parts']} kept (trial {last.get('trial')}{_at(last)}, work imbalance "
                 f"{_from_imbalance(info, last):.2f} -> {last.get('measured_imbalance') or 0:.2f}, "
                 f"{_reference_sps(info, last):.1f} -> {last.get('samples_per_second') or 0:.1f}"
-                f" samples/s{_runs(last)}); the best configuration needs it: {code}")
+                f" samples/s{_runs(last)}); {needs}{code}")
     tried = info["rounds"][-1]
     if tried.get("trial") is None:
         return None
@@ -164,45 +200,10 @@ def _reference_sps(info: dict[str, Any], r: dict[str, Any]) -> float:
     return float(r.get("reference_samples_per_second") or info.get("baseline_samples_per_second") or 0.0)
 
 
-def partition_uniform(num_items: int, num_parts: int) -> list[int]:
-    """DeepSpeed 0.19.8's `runtime.utils.partition_uniform` (the `uniform` method), ported so
-    that the controller needs neither torch nor DeepSpeed (tests compare it with DeepSpeed's)."""
-    if num_items <= num_parts:
-        return [min(p, num_items) for p in range(num_parts + 1)]
-    chunk, residual = divmod(num_items, num_parts)
-    parts = [p * chunk for p in range(num_parts + 1)]
-    for i in range(residual):
-        parts[i + 1:] = [x + 1 for x in parts[i + 1:]]
-    return parts
-
-
-def partition_balanced(weights: list[float], num_parts: int) -> list[int]:
-    """DeepSpeed 0.19.8's `runtime.utils.partition_balanced` (the `parameters` method on the
-    layers' parameter counts), ported step for step, ties included."""
-    n, m = len(weights), num_parts
-    if n <= m:
-        return partition_uniform(n, m)
-    inf = float("inf")
-    dp_max = [[inf] * (m + 1) for _ in range(n + 1)]
-    dp_min = [[inf] * (m + 1) for _ in range(n + 1)]
-    dp_cost = [[inf] * (m + 1) for _ in range(n + 1)]
-    position = [[0] * (m + 1) for _ in range(n + 1)]
-    prefix = [0.0]
-    for w in weights:
-        prefix.append(prefix[-1] + float(w))
-    dp_max[0][0] = dp_cost[0][0] = 0.0
-    for i in range(1, n + 1):
-        for j in range(1, min(i, m) + 1):
-            for k in range(i):
-                run = prefix[i] - prefix[k]
-                max_sum, min_sum = max(dp_max[k][j - 1], run), min(dp_min[k][j - 1], run)
-                if dp_cost[i][j] >= max_sum - min_sum:
-                    dp_cost[i][j], dp_max[i][j], dp_min[i][j] = max_sum - min_sum, max_sum, min_sum
-                    position[i][j] = k
-    parts = [n]
-    for j in reversed(range(1, m + 1)):
-        parts.append(position[parts[-1]][j])
-    return parts[::-1]
+def _config_fields(config: TrialConfig) -> dict[str, Any]:
+    return {"micro_batch_size": config.micro_batch_size,
+            "gradient_accumulation_steps": config.gradient_accumulation_steps,
+            "reduce_bucket_size": config.reduce_bucket_size}
 
 
 def _slowest(summary: Any) -> int:
@@ -234,6 +235,8 @@ class StageBalancer:
         self.runs: list[tuple[int, float | None, Any]] = []
         """(trial, samples/s or None: failed, summary) of the open round's candidate runs."""
         self.rounds = 0
+        self.bounded = False
+        """A plan found one layer setting the pace of every partition at this stage count: no more rounds."""
         self.planned: set[tuple] = set()
         """Configurations a round was planned at (one plan each, refinements aside)."""
         self.info: dict[str, Any] = {"rounds": []}
@@ -241,6 +244,8 @@ class StageBalancer:
         """What the last plan found (`plans` in partition.json: each plan's trial, imbalance and outcome)."""
         self.layers: tuple[list[float], list[int], list[float]] | None = None
         """(costs, parameters, stage fixed seconds) the last plan was made from: what `builtin_equivalent` compares."""
+        self.names: list[str] | None = None
+        """The layers' classes of the last plan (the `type:` regexes `builtin_equivalent` tries)."""
         self._room = 1 << 30
         """Trials the budget has left after the trial `after` is handling."""
         self._followed: str | None = None
@@ -302,7 +307,7 @@ class StageBalancer:
                 self.reference.append(float(samples_per_second))
             self._decide(config)
         elif (measured and is_best and summary is not None and not self.deciding
-              and self.rounds < MAX_ROUNDS and config.key() not in self.planned
+              and self.rounds < MAX_ROUNDS and not self.bounded and config.key() not in self.planned
               and work_imbalance(summary) > THRESHOLD and self._room_for(COSTS, 2)):
             self.planned.add(config.key())
             self.pending = [Proposal(
@@ -360,24 +365,33 @@ class StageBalancer:
                              slowest_stage=_slowest(summary))
             self._say_if_cores_are_shared(lc, summary)
         self.layers = (lc.costs, lc.parameters, lc.stage_fixed_seconds)
-        if parts == lc.parts:
-            self._write(outcome="no better contiguous partition")
+        self.names = list(lc.names)
+        gain = max(stage_times(lc.costs, lc.parts, lc.stage_fixed_seconds)) / max(after) - 1.0
+        if parts == lc.parts or gain <= self.noise * GAIN_OF_NOISE:
+            text = no_gain_text(lc.names, lc.costs, lc.parts, parts, lc.stage_fixed_seconds,
+                                margin=self.noise * GAIN_OF_NOISE, lead=f"no round{_at({'config': _config_fields(config)})}",
+                                keep="keep what you have" if self.kept is None else
+                                f"the parts kept earlier, {self.kept}, stay")
+            self.note(f"      partition: {text}")
+            if bounding_layer(lc.costs, parts, lc.stage_fixed_seconds) is not None:
+                self.bounded = True  # no later round: the layer bounds every partition at any micro-batch
+            self._write(outcome="no better contiguous partition" if parts == lc.parts
+                        else "predicted gain within the noise", no_round=text)
             return
         if not self._room_for(SOURCE, 1):
             self._write(outcome="no trial left in the budget")
             return
         self.candidate, self.runs = parts, []
         self.info["rounds"].append({
-            "from_trial": number, "config": {"micro_batch_size": config.micro_batch_size,
-                                             "gradient_accumulation_steps": config.gradient_accumulation_steps,
-                                             "reduce_bucket_size": config.reduce_bucket_size},
+            "from_trial": number, "config": _config_fields(config),
             "from_imbalance": measured, "reference_samples_per_second": fmean(self.reference),
-            "parts": parts, "moves": moved, "predicted_imbalance": imbalance(after)})
+            "parts": parts, "moves": moved, "predicted_imbalance": imbalance(after), "predicted_gain": gain})
         self._write(outcome="round planned")
         self.pending = [Proposal(
             config=config, source=SOURCE,
             reason=f"stage {_slowest(summary)} does {measured:.2f}x the mean stage's work; the layer costs of trial "
-                   f"{number} balance as parts {parts} (predicted imbalance {imbalance(after):.2f}): {moved}")]
+                   f"{number} balance as parts {parts} (predicted imbalance {imbalance(after):.2f}, the slowest "
+                   f"stage {gain:.1%} faster): {moved}")]
 
     def _decide(self, config: TrialConfig) -> None:
         """Close the open round by the rule `superseded` replays: kept when no candidate run
@@ -430,7 +444,10 @@ class StageBalancer:
         if self.layers is None:
             return f"PARTS = {parts} (docs/partition.md)"
         costs, parameters, fixed = self.layers
-        advice = builtin_equivalent(parts, costs, parameters, fixed)
+        own = self.info.get("measured_parts")  # the first plan's: measured with the job's own partition
+        advice = builtin_equivalent(parts, costs, parameters, fixed, names=self.names, own=own,
+                                    own_method="the script's own partition_method" if self.user_command
+                                    else f"partition_method='{self.method}'")
         self.info["in_your_code"] = advice
         return advice["text"]
 

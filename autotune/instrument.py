@@ -23,11 +23,12 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+from autotune.p2p_split import P2P_INSTRUCTIONS, TransferSplit, p2p_category
 from autotune.schema import StepRecord
 from autotune.summary import busy_fraction
 from autotune.timing import CPU_SUFFIX, IntervalTimer, make_timer
 
-COMPUTE, OPTIMIZER, COMM, WAIT, DATA = "compute", "optimizer", "comm", "wait", "data"
+COMPUTE, OPTIMIZER, COMM, DATA = "compute", "optimizer", "comm", "data"
 
 # Instruction class name -> category. Names, not classes, so this module
 # imports without DeepSpeed.
@@ -35,14 +36,15 @@ INSTRUCTION_CATEGORY: dict[str, str] = {
     "ForwardPass": COMPUTE,
     "BackwardPass": COMPUTE,
     "OptimizerStep": OPTIMIZER,  # compute, kept apart: it runs outside the pipeline schedule
-    "SendActivation": COMM,
-    "SendGrad": COMM,
+    "SendActivation": p2p_category("SendActivation"),  # transfer + wait: autotune/p2p_split.py
+    "SendGrad": p2p_category("SendGrad"),
     "ReduceGrads": COMM,
     "ReduceTiedGrads": COMM,
-    "RecvActivation": WAIT,
-    "RecvGrad": WAIT,
+    "RecvActivation": p2p_category("RecvActivation"),
+    "RecvGrad": p2p_category("RecvGrad"),
     "LoadMicroBatch": DATA,
 }
+P2P_CATEGORIES = frozenset(p2p_category(name) for name in P2P_INSTRUCTIONS)
 
 
 class Sink(Protocol):
@@ -61,17 +63,19 @@ class PipelineProbe:
     """Times one engine's instructions and emits a StepRecord per train_batch()."""
 
     def __init__(self, engine: Any, *, sinks: Sequence[Sink] = (), trial: int = -1,
-                 warmup_steps: int = 1, seq_length: int = 0, device: DeviceProbe | None = None,
+                 warmup_steps: int = 1, seq_length: int | None = None, device: DeviceProbe | None = None,
                  timer: IntervalTimer | None = None,
                  on_step: Callable[[StepRecord], None] | None = None) -> None:
         self.engine = engine
         self.sinks = list(sinks)
         self.trial = trial
         self.warmup_steps = warmup_steps
-        self.seq_length = seq_length
+        self.seq_length = seq_length or None
+        """Tokens per sample; None: not given, read from the first stage's input (autotune/token_input.py)."""
         self.device_type = engine.device.type if hasattr(engine, "device") else "cpu"
         self.device = device
-        self.timer = timer or make_timer(self.device_type)
+        self.timer = timer or make_timer(self.device_type, P2P_CATEGORIES)
+        self.transfers = TransferSplit()
         self.on_step = on_step
         self.step = 0
         self.host = socket.gethostname()
@@ -89,6 +93,10 @@ class PipelineProbe:
         for instr_cls, fn in eng._INSTRUCTION_MAP.items():
             category = INSTRUCTION_CATEGORY.get(instr_cls.__name__)
             timed[instr_cls] = fn if category is None else self._wrap(fn, category)
+            if category == DATA and self.seq_length is None:  # a user's script: its input tells
+                from autotune.token_input import measure_seq_length
+
+                timed[instr_cls] = measure_seq_length(timed[instr_cls], eng, self._found_seq_length)
         eng._INSTRUCTION_MAP = timed  # instance attribute shadows the class map
         inner = eng.train_batch
 
@@ -99,6 +107,9 @@ class PipelineProbe:
         self._inner_train_batch = inner
         self._installed = True
         return self
+
+    def _found_seq_length(self, length: int | None) -> None:
+        self.seq_length = length
 
     def uninstall(self) -> None:
         """Give the engine back its own instruction map and train_batch (overhead benchmark)."""
@@ -158,6 +169,8 @@ class PipelineProbe:
         stages = int(eng.num_stages)
         optimizer = parts.get(OPTIMIZER, 0.0)
         compute = parts.get(COMPUTE, 0.0) + optimizer
+        p2p = sum(parts.get(c, 0.0) for c in P2P_CATEGORIES)
+        transfer, wait = self.transfers.split(self.timer.intervals())
         work = parts.get(COMPUTE + CPU_SUFFIX)  # CPU only: the forward/backward work in thread CPU time
         samples_per_second = micro * gas * dp / step_seconds if step_seconds > 0 else 0.0
         util = None
@@ -175,9 +188,9 @@ class PipelineProbe:
             time=time.time(), trial=self.trial, rank=int(eng.global_rank), stage=int(eng.stage_id),
             step=self.step, warmup=int(self.step < self.warmup_steps),
             step_seconds=step_seconds, samples_per_second=samples_per_second,
-            tokens_per_second=samples_per_second * self.seq_length,
-            compute_seconds=compute, comm_seconds=parts.get(COMM, 0.0),
-            wait_seconds=parts.get(WAIT, 0.0), data_seconds=parts.get(DATA, 0.0),
+            tokens_per_second=samples_per_second * self.seq_length if self.seq_length else None,
+            compute_seconds=compute, comm_seconds=parts.get(COMM, 0.0) + transfer,
+            wait_seconds=wait, data_seconds=parts.get(DATA, 0.0),
             device_utilization=util,
             memory_allocated_bytes=mem.get("allocated_bytes"),
             memory_reserved_bytes=mem.get("reserved_bytes"),
@@ -191,6 +204,7 @@ class PipelineProbe:
             device=str(eng.device) if hasattr(eng, "device") else "cpu", host=self.host,
             optimizer_seconds=optimizer, utilization_from_device=int(from_device),
             compute_cpu_seconds=work, memory_capacity_bytes=mem.get("capacity_bytes"),
+            p2p_seconds=p2p, p2p_fastest_seconds=self.transfers.fastest_seconds(),
         )
 
 
@@ -218,7 +232,7 @@ def _acting_bucket(engine: Any, dp: int) -> int | None:
 
 def instrument(engine: Any, *, csv_path: str | None = None, metrics_port: int | None = None,
                metrics_addr: str = "127.0.0.1", trial: int = -1, job: str = "autotune",
-               warmup_steps: int = 1, seq_length: int = 0, metrics_in_process: bool = False,
+               warmup_steps: int = 1, seq_length: int | None = None, metrics_in_process: bool = False,
                endpoint_file: str | bool = True) -> PipelineProbe:
     """One-liner for any training script: time the engine, write a CSV and/or serve Prometheus.
 

@@ -18,6 +18,7 @@ first stage carries the most activation memory.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -215,3 +216,178 @@ def describe_moves(old: Sequence[int], new: Sequence[int], names: Sequence[str] 
         label = f" ({', '.join(kinds)})" if kinds else ""
         lines.append(f"{span}{label}: stage {run[0].from_stage} -> {run[0].to_stage}")
     return "; ".join(lines)
+
+
+# -- DeepSpeed 0.19.8's own methods (PipelineModule._partition_layers), ported -------------------
+
+def partition_uniform(num_items: int, num_parts: int) -> list[int]:
+    """DeepSpeed 0.19.8's `runtime.utils.partition_uniform` (the `uniform` method), ported so
+    that the controller needs neither torch nor DeepSpeed (tests compare it with DeepSpeed's)."""
+    if num_items <= num_parts:
+        return [min(p, num_items) for p in range(num_parts + 1)]
+    chunk, residual = divmod(num_items, num_parts)
+    parts = [p * chunk for p in range(num_parts + 1)]
+    for i in range(residual):
+        parts[i + 1:] = [x + 1 for x in parts[i + 1:]]
+    return parts
+
+
+def partition_balanced(weights: Sequence[float], num_parts: int) -> list[int]:
+    """DeepSpeed 0.19.8's `runtime.utils.partition_balanced` (the `parameters` method on the
+    layers' parameter counts, `type:` on 0/1 weights), ported step for step, ties included."""
+    n, m = len(weights), num_parts
+    if n <= m:
+        return partition_uniform(n, m)
+    inf = float("inf")
+    dp_max = [[inf] * (m + 1) for _ in range(n + 1)]
+    dp_min = [[inf] * (m + 1) for _ in range(n + 1)]
+    dp_cost = [[inf] * (m + 1) for _ in range(n + 1)]
+    position = [[0] * (m + 1) for _ in range(n + 1)]
+    prefix = [0.0]
+    for w in weights:
+        prefix.append(prefix[-1] + float(w))
+    dp_max[0][0] = dp_cost[0][0] = 0.0
+    for i in range(1, n + 1):
+        for j in range(1, min(i, m) + 1):
+            for k in range(i):
+                run = prefix[i] - prefix[k]
+                max_sum, min_sum = max(dp_max[k][j - 1], run), min(dp_min[k][j - 1], run)
+                if dp_cost[i][j] >= max_sum - min_sum:
+                    dp_cost[i][j], dp_max[i][j], dp_min[i][j] = max_sum - min_sum, max_sum, min_sum
+                    position[i][j] = k
+    parts = [n]
+    for j in reversed(range(1, m + 1)):
+        parts.append(position[parts[-1]][j])
+    return parts[::-1]
+
+
+TYPE_SUBSETS_MAX = 255
+"""`type:` regexes tried at most (sets of the model's classes, the smallest sets first)."""
+
+
+def type_regex(classes: Sequence[str]) -> str:
+    """The `type:` regex that finds exactly these layer classes: `^Linear$`, `^(Conv2d|Linear)$`.
+    No ':' in it (DeepSpeed splits the method at the first one)."""
+    alts = "|".join(re.escape(c) for c in classes)
+    return f"^{alts}$" if len(classes) == 1 else f"^({alts})$"
+
+
+def type_parts(names: Sequence[str], regex: str, stages: int) -> list[int] | None:
+    """The parts DeepSpeed 0.19.8 builds for `partition_method='type:REGEX'` over layers of these
+    class names: the method lower-cased, the regex searched case-insensitively in each class
+    name (`_find_layer_type`), `partition_balanced` over 1 per match, 0 otherwise. None where no
+    layer matches (DeepSpeed raises), a stage would be empty (we never propose that), or a stage
+    would hold no matching layer (the parts then follow from DeepSpeed's tie rule, not from a
+    balance of the matches, and read as a riddle in the user's code)."""
+    pattern = re.compile(regex.lower(), re.IGNORECASE)
+    weights = [1 if pattern.search(n) else 0 for n in names]
+    if not any(weights):
+        return None
+    parts = partition_balanced(weights, stages)
+    if len(parts) != stages + 1 or any(b <= a or not any(weights[a:b]) for a, b in zip(parts, parts[1:], strict=False)):
+        return None
+    return parts
+
+
+def type_methods(names: Sequence[str], stages: int) -> list[tuple[str, list[int]]]:
+    """The distinct partitions `type:REGEX` methods over the model's own classes build at `stages`:
+    (method, parts), the method with the fewest classes for each parts."""
+    from itertools import combinations
+
+    classes = [c for c in dict.fromkeys(names) if ":" not in c]
+    out: dict[tuple[int, ...], str] = {}
+    tried = 0
+    for size in range(1, len(classes) + 1):
+        for subset in combinations(classes, size):
+            if tried >= TYPE_SUBSETS_MAX:
+                return [(m, list(p)) for p, m in out.items()]
+            tried += 1
+            regex = type_regex(subset)
+            parts = type_parts(names, regex, stages)
+            if parts is not None:
+                out.setdefault(tuple(parts), f"type:{regex}")
+    return [(m, list(p)) for p, m in out.items()]
+
+
+def best_type_method(names: Sequence[str], costs: Sequence[float], stages: int,
+                     stage_fixed: Sequence[float] | None = None) -> tuple[str, list[int]] | None:
+    """The `type:` method over the model's classes whose parts have the least slowest stage
+    (ties: the fewest classes, then the least sum of squared stage times); None: no class builds
+    a partition with every stage non-empty."""
+    best: tuple[tuple[float, float], str, list[int]] | None = None
+    for method, parts in type_methods(names, stages):
+        t = stage_times(costs, parts, stage_fixed)
+        key = (max(t), sum(x * x for x in t))
+        if best is None or key < best[0]:
+            best = (key, method, parts)
+    return (best[1], best[2]) if best else None
+
+
+# -- when no partition can help: the layer that bounds it --------------------------------------
+
+def dominant_layer(costs: Sequence[float]) -> tuple[int, float]:
+    """The dearest layer and its share of all layers' cost."""
+    total = float(sum(costs))
+    i = max(range(len(costs)), key=lambda k: costs[k])
+    return i, (float(costs[i]) / total if total > 0 else 0.0)
+
+
+def other_stage_fixed(stage_fixed: Sequence[float] | None, stages: int) -> list[float] | None:
+    """A measured stage_fixed carried to another stage count: the last stage keeps its own (the
+    loss), every other stage the mean of the measured non-last stages'."""
+    if not stage_fixed:
+        return None
+    head = list(stage_fixed[:-1])
+    rest = sum(head) / len(head) if head else 0.0
+    return [rest] * (stages - 1) + [float(stage_fixed[-1])]
+
+
+def isolating_stages(costs: Sequence[float], stages: int, stage_fixed: Sequence[float] | None = None,
+                     *, more: int = 8) -> tuple[int, list[int]] | None:
+    """The fewest stages above `stages` (up to `more` above, and the layer count) whose balanced
+    partition gives the dearest layer a stage of its own: (stage count, parts); None if none."""
+    layer, _ = dominant_layer(costs)
+    for k in range(stages + 1, min(len(costs), stages + more) + 1):
+        parts = balanced_parts(costs, k, stage_fixed=other_stage_fixed(stage_fixed, k))
+        if layer in parts and layer + 1 in parts:
+            return k, parts
+    return None
+
+
+def no_gain_text(names: Sequence[str], costs: Sequence[float], now: Sequence[int], best: Sequence[int],
+                 fixed: Sequence[float] | None, *, margin: float, lead: str, keep: str = "keep what you have") -> str:
+    """One line for a partition not worth changing: the costs predict the best contiguous partition
+    (`best`) no more than `margin` faster than the one in force (`now`). Names the layer whose
+    share bounds every partition at this stage count where that is why, and what would help: the
+    stage count that gives it a stage of its own, or fewer stages."""
+    stages = len(now) - 1
+    t_now, t_best = stage_times(costs, now, fixed), stage_times(costs, best, fixed)
+    gain = max(t_now) / max(t_best) - 1.0
+    moved = (f"{imbalance(t_now):.2f} -> {imbalance(t_best):.2f}, {gain:.1%} faster, below the {margin:.0%} a round"
+             " can tell from a tie" if list(best) != list(now) else f"{imbalance(t_now):.2f}, already the best")
+    line = (f"{lead}: the layer costs predict no {stages}-stage contiguous partition better than "
+            f"{list(best)} (work imbalance {moved})")
+    layer, share = dominant_layer(costs)
+    if bounding_layer(costs, best, fixed) is None:
+        return f"{line}; {keep}"
+    # the slowest stage of the best partition holds the dearest layer: that layer sets the pace
+    line += (f": layer {layer} ({names[layer]}) does {share:.0%} of the layers' work, and its stage is the "
+             f"slowest even in the best {stages}-stage partition; {keep}; what would help: ")
+    found = isolating_stages(costs, stages, fixed)
+    if found is not None:
+        k, parts = found
+        t_k = stage_times(costs, parts, other_stage_fixed(fixed, k))
+        if max(t_best) / max(t_k) - 1.0 > margin:
+            line += (f"{k} stages, parts {parts}, give layer {layer} a stage of its own (the slowest stage "
+                     f"{max(t_best) / max(t_k):.2f}x faster, predicted imbalance {imbalance(t_k):.2f}: the "
+                     "other stages wait for it), or ")
+    return line + "fewer stages and more data parallelism, where the model fits (at 1 stage no stage waits)"
+
+
+def bounding_layer(costs: Sequence[float], best: Sequence[int], fixed: Sequence[float] | None) -> int | None:
+    """The dearest layer, where the slowest stage of the best partition holds it (it sets the
+    pace at this stage count, whatever the micro-batch); else None."""
+    layer, _ = dominant_layer(costs)
+    t = stage_times(costs, best, fixed)
+    slow = max(range(len(t)), key=t.__getitem__)
+    return layer if best[slow] <= layer < best[slow + 1] else None

@@ -64,6 +64,8 @@ def install() -> None:
 
     def _partition_layers(self: Any, method: str = "uniform") -> None:
         forced = _state["forced"]
+        # What partitioned this module, for the advice (DeepSpeed keeps only the parts).
+        self._autotune_partition_method = method_for(forced) if forced is not None else str(method)
         if forced is None and not str(method).lower().startswith(PREFIX):
             return original(self, method=method)
         layers = len(self._layer_specs)

@@ -13,7 +13,9 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+"""2: comm_seconds is transfer only and wait_seconds every wait for a peer (issue 24); 1: sends
+were comm, receives wait. A CSV without the `schema_version` column was written with 1."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -36,14 +38,18 @@ class StepRecord:
     """Wall time of the whole `train_batch()` on this rank."""
     samples_per_second: float
     """Global samples in the step / step_seconds (micro x GAS x dp / step)."""
-    tokens_per_second: float
-    """samples_per_second x sequence length."""
+    tokens_per_second: float | None = None
+    """samples_per_second x sequence length; None (empty) when not a token model or the length
+    is not known on this rank (autotune/token_input.py). CSVs written before wrote 0.0 there."""
     compute_seconds: float
     """Forward + backward + optimizer-step instruction time."""
     comm_seconds: float
-    """Send activations/grads + data-parallel and tied gradient reduction."""
+    """Transfer only: the point-to-point transfers (sends and receives without their wait for
+    the peer, autotune/p2p_split.py) + data-parallel and tied gradient reduction. Schema 1
+    (before): every send's whole time + the reductions."""
     wait_seconds: float
-    """Receive instructions: waiting for the peer stage (the bubble) plus the receive."""
+    """Waiting for the peer stage in point-to-point instructions (sends and receives). Schema 1
+    (before): every receive's whole time, its transfer included."""
     data_seconds: float
     """LoadMicroBatch instruction time (the data loader)."""
     device_utilization: float
@@ -62,7 +68,10 @@ class StepRecord:
     """None when the config does not set it (or it cannot act)."""
     pipeline_stages: int
     data_parallel_size: int
-    seq_length: int = 0
+    seq_length: int | None = None
+    """Tokens per sample: the built-in workload's, or a user script's first-stage input length
+    (batch x seq integer ids). None (empty) when not a token model, and on a user script's later
+    stages, which never see the input. CSVs written before wrote 0 there."""
     memory_peak_bytes: float | None = None
     """CUDA peak allocated bytes in the step; on CPU the process peak RSS."""
     memory_inactive_split_bytes: float | None = None
@@ -87,6 +96,15 @@ class StepRecord:
     memory_capacity_bytes: float | None = None
     """The device's total memory (CUDA: cudaMemGetInfo's total, else NVML's). None on CPU:
     the ranks share the host's memory, so no per-device limit is known."""
+    p2p_seconds: float | None = None
+    """All point-to-point instruction time (sends and receives): transfer + waiting for the
+    peer. None in CSVs written before schema 2, where sends counted as comm_seconds and
+    receives as wait_seconds."""
+    p2p_fastest_seconds: float | None = None
+    """The fastest single point-to-point instruction this rank ran in the trial so far: the
+    transfer that instance had with no wait (autotune/p2p_split.py). None before schema 2."""
+    schema_version: int = SCHEMA_VERSION
+    """The definitions this row was written with (SCHEMA_VERSION); empty before schema 2 (read as 1)."""
 
 
 CSV_COLUMNS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(StepRecord))
@@ -137,6 +155,7 @@ def record_from_values(values: dict[str, object]) -> StepRecord:
             out[name] = int(v)  # type: ignore[call-overload]
         else:
             out[name] = float(v)  # type: ignore[arg-type]
+    out.setdefault("schema_version", 1)  # no such column (or empty): written before schema 2
     return StepRecord(**out)  # type: ignore[arg-type]
 
 

@@ -66,7 +66,7 @@ def tune(opts: RunOptions, display: ProgressDisplay | None = None, *,
          command: list[str] | None = None) -> TuneResult:
     """`command`: the user's own training command (autotune/usercmd); None = the built-in workload."""
     require("tune", what="autotune run")  # before any trial: not N launcher_missing failures
-    from autotune.usercmd.job import attach_user_job, prepare_user_job
+    from autotune.usercmd.job import attach_user_job, describe_job, prepare_user_job
 
     display = display or ProgressDisplay(budget=opts.budget)
     from autotune import ext_locks
@@ -105,10 +105,10 @@ def tune(opts: RunOptions, display: ProgressDisplay | None = None, *,
         wl = opts.workload
         wl.metrics_port = None if opts.no_metrics else opts.rank_metrics_port
         wl.metrics_addr = opts.metrics_addr
-        display.note(f"study: {study.root}  |  workload: {job.describe() if job else wl.preset}, "
-                     f"{wl.pipeline_stages} stages x "
-                     f"{wl.data_parallel_size} dp = {wl.world_size} ranks  |  tuner: {opts.tuner}, "
-                     f"budget {opts.budget}")
+        what = (describe_job(dataclasses.asdict(job), dataclasses.asdict(wl)) if job else
+                f"workload: {wl.preset}, {wl.pipeline_stages} stages x {wl.data_parallel_size} dp = "
+                f"{wl.world_size} ranks")  # the user's command is no preset (usercmd/job.py)
+        display.note(f"study: {study.root}  |  {what}  |  tuner: {opts.tuner}, budget {opts.budget}")
         display.note(f"space: {space.describe()}")
         exporter = _live_metrics(opts, display, study)
         from autotune import preload

@@ -37,11 +37,18 @@ def study_results(study: Study) -> dict[str, Any]:
     speedup = None
     if best and baseline and baseline.status == STATUS_OK and baseline.samples_per_second:
         speedup = (best.samples_per_second or 0.0) / baseline.samples_per_second
+    from autotune.usercmd.job import META_KEY, describe_job
+
+    workload, user_command = study.get_meta_json("workload"), study.get_meta_json(META_KEY)
+    if user_command and isinstance(workload, dict):
+        workload = {**workload, "preset": None}  # the user's command ran, not a built-in preset
     return {
         "format": 1,
+        "job": describe_job(user_command, workload),  # the job in words (autotune/usercmd/job.py)
+        "user_command": user_command,  # the command and what its start-up check read; null: built-in
         "budget": study.get_meta_json("budget"),
         "space": study.get_meta_json("space"),
-        "workload": study.get_meta_json("workload"),
+        "workload": workload,
         "trials": [trial_entry(t) for t in trials],
         "counted_trials": len(counted),
         "failed_trials": sum(1 for t in counted if t.status == "failed"),
@@ -65,6 +72,12 @@ def write_outputs(study: Study, best_ds_config: dict | None) -> dict[str, Any]:
 def render_markdown(summary: dict[str, Any]) -> str:
     lines = ["# autotune report", ""]
     best, base = summary["best"], summary["baseline"]
+    if summary.get("user_command") or summary.get("workload"):
+        from autotune.usercmd.job import describe_job
+
+        job = describe_job(summary.get("user_command"), summary.get("workload"), quote=lambda c: f"`{c}`")
+        if job:
+            lines.append(f"On: {job}.")
     if best:
         lines.append(f"Best: trial {best['trial']}, micro {best['micro_batch_size']}, "
                      f"GAS {best['gradient_accumulation_steps']}, reduce_bucket_size "

@@ -58,11 +58,18 @@ def bubble_fraction(compute_seconds: float, step_seconds: float, optimizer_secon
     return max(0.0, 1.0 - (compute_seconds - optimizer_seconds) / schedule)
 
 
-def comm_compute_ratio(comm: float, wait: float, compute: float) -> float | None:
-    """(communication + waiting for peers) / compute time; None without compute time."""
+def comm_compute_ratio(comm: float, compute: float) -> float | None:
+    """Communication (transfer only: point-to-point transfers and gradient reductions, not the
+    wait for a peer) / compute time; None without compute time. Before schema 2 (issue 24) the
+    wait was added in, so a merely unbalanced job read as "chatty"."""
     if compute <= 0:
         return None
-    return (comm + wait) / compute
+    return comm / compute
+
+
+def peer_wait_fraction(wait: float, step: float) -> float | None:
+    """The share of the step a rank waited for a peer stage in sends and receives; None without a step."""
+    return wait / step if step > 0 else None
 
 
 def busy_fraction(compute_seconds: float, step_seconds: float) -> float:
@@ -101,7 +108,8 @@ class RankSummary:
     bubble_fraction: float
     """Measured idle share: 1 - compute / step time (waiting, transfers, data loading)."""
     wait_fraction: float
-    """The part of the step spent in receive instructions (waiting for the peer stage)."""
+    """The share of the step this rank waited for a peer stage (sends and receives; schema 1
+    CSVs: the receives' whole time)."""
     host_bound_fraction: float | None = None
     """`host_bound_fraction` over the steps whose utilization came from the device
     (NVML); None where none did (CPU: utilization is the busy fraction itself)."""
@@ -122,7 +130,9 @@ class TrialSummary:
     """Median over steps of global samples / slowest rank's step time."""
     samples_per_second_p10: float
     samples_per_second_p90: float
-    tokens_per_second: float
+    tokens_per_second: float | None
+    """samples_per_second x the sequence length; None when no row knows one (not a token model;
+    an older CSV's seq_length 0 meant the same)."""
     step_seconds: float
     """Median step time (slowest rank)."""
     step_time_jitter: float
@@ -133,10 +143,10 @@ class TrialSummary:
     cross_device_fluctuation: float | None
     """Std of per-rank mean utilization (stage imbalance seen as utilization)."""
     comm_compute_ratio: float | None
-    """Worst per-rank (comm + wait) / compute."""
+    """Worst per-rank comm / compute: transfer only (`comm_compute_ratio`)."""
     comm_compute_ratio_mean: float | None
     transfer_compute_ratio: float | None
-    """comm (sends + reductions, without waiting) / compute, worst rank."""
+    """The same as comm_compute_ratio since schema 2 (kept for rule files that name it)."""
     bubble_fraction_measured: float
     """Mean over ranks of the idle share of the pipeline schedule (`bubble_fraction`; compare with the ideal)."""
     bubble_fraction_ideal: float
@@ -178,6 +188,14 @@ class TrialSummary:
     memory_capacity_bytes: float | None = None
     """The smallest device memory of the trial's ranks (the out-of-memory model's prior
     limit, autotune/proposers/feasibility.py); None on CPU."""
+    imbalance_idle_fraction: float | None = None
+    """The idle share the stage imbalance alone explains: the mean over stages of (slowest
+    stage's forward+backward - this stage's) / step time."""
+    peer_wait_fraction: float | None = None
+    """Worst rank's share of the step spent waiting for a peer stage (`peer_wait_fraction`): the
+    cause is the other stage (imbalance, the bubble), not the link."""
+    metrics_schema: int | None = None
+    """The oldest SCHEMA_VERSION among the rows (1: comm held the sends' waits); None: not read from rows."""
     startup_seconds: float | None = None
     """The slowest rank's start-up: process start (a warm worker: taking the trial) to its first
     step (autotune/watchdog.py). Sets the next trials' start-up limit (autotune/trial_limits.py)."""
@@ -202,7 +220,7 @@ SUMMARY_COLUMNS = frozenset({
     "wait_seconds", "device_utilization", "memory_fragmentation_ratio", "loss", "micro_batch_size",
     "gradient_accumulation_steps", "reduce_bucket_size", "pipeline_stages", "data_parallel_size",
     "seq_length", "memory_peak_bytes", "memory_reserved_bytes", "optimizer_seconds",
-    "utilization_from_device", "compute_cpu_seconds", "memory_capacity_bytes",
+    "utilization_from_device", "compute_cpu_seconds", "memory_capacity_bytes", "schema_version",
 })
 """The columns summarize reads; the others are only validated."""
 
@@ -233,9 +251,14 @@ def summarize_trial(records: Sequence[StepRecord]) -> TrialSummary | None:
     return out[0] if out else None
 
 
-def _int_or_zero(value: float) -> int:
-    """An optional integer cell: empty (NaN) means not recorded, read as 0 as the row-wise summary does."""
-    return int(value) if math.isfinite(value) else 0
+def _seq_length(m: Columns) -> int | None:
+    """The trial's tokens per sample: the largest recorded seq_length, None when none is above 0.
+
+    Empty means not known (a user script's later stages never see the input; images have
+    no tokens); 0 is what CSVs written before that change held for "not known"."""
+    v = m.get("seq_length")
+    v = v[np.isfinite(v) & (v > 0)] if v is not None else np.empty(0)
+    return int(v.max()) if v.size else None
 
 
 def summarize_columns(cols: Columns, source: str = "metrics") -> list[TrialSummary]:
@@ -299,7 +322,7 @@ def _summarize_trial(c: Columns, source: str) -> TrialSummary | None:
             rank=int(rank), stage=int(rank_stage[k]), steps=int(n[k]),
             device_utilization_mean=float(util_mean[k]),
             device_utilization_fluctuation=float(util_std[k]) if n[k] >= 2 else None,
-            comm_compute_ratio=float((comm[k] + wait[k]) / comp[k]) if comp[k] > 0 else None,
+            comm_compute_ratio=comm_compute_ratio(float(comm[k]), float(comp[k])),
             compute_seconds_mean=float(comp[k] / n[k]),
             schedule_compute_seconds_mean=float((comp[k] - opt[k]) / n[k]), comm_seconds_mean=float(comm[k] / n[k]),
             wait_seconds_mean=float(wait[k] / n[k]),
@@ -345,7 +368,7 @@ def _summarize_trial(c: Columns, source: str) -> TrialSummary | None:
         samples_per_second=median_sps,
         samples_per_second_p10=float(np.quantile(sps, 0.1)),
         samples_per_second_p90=float(np.quantile(sps, 0.9)),
-        tokens_per_second=median_sps * _int_or_zero(first.get("seq_length", math.nan)),
+        tokens_per_second=median_sps * seq if (seq := _seq_length(m)) else None,
         step_seconds=float(np.median(step_secs)),
         step_time_jitter=float(np.std(step_secs) / mean_step) if step_secs.size > 1 and mean_step > 0 else 0.0,
         device_utilization_mean=float(np.mean(means)),
@@ -354,6 +377,11 @@ def _summarize_trial(c: Columns, source: str) -> TrialSummary | None:
         comm_compute_ratio=max(ratios) if ratios else None,
         comm_compute_ratio_mean=float(np.mean(ratios)) if ratios else None,
         transfer_compute_ratio=max(transfer) if transfer else None,
+        peer_wait_fraction=max(r.wait_fraction for r in rank_rows) if rank_rows else None,
+        imbalance_idle_fraction=float(np.mean([max(stage_means) - c for c in stage_means]) / np.median(step_secs))
+        if stage_means and np.median(step_secs) > 0 else None,
+        metrics_schema=int(np.min(m["schema_version"])) if "schema_version" in m and not np.isnan(
+            m["schema_version"]).all() else 1,
         bubble_fraction_measured=float(np.mean([r.bubble_fraction for r in rank_rows])),
         bubble_fraction_ideal=ideal,
         stage_compute_imbalance=imbalance, slowest_stage=slowest, stage_compute_seconds=stage_means,

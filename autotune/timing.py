@@ -25,30 +25,58 @@ class IntervalTimer(Protocol):
     def collect(self) -> dict[str, float]:
         """Seconds per category since the last collect (called at step end)."""
 
+    def intervals(self) -> dict[str, list[float]]:
+        """The seconds of each interval of the categories named in `each`, in the step the last
+        `collect` closed (point-to-point instructions: autotune/p2p_split.py)."""
 
-class HostTimer:
-    def __init__(self) -> None:
+
+class _Intervals:
+    """Each interval of the categories in `each`, kept apart for the step (a few per micro-batch)."""
+
+    def __init__(self, each: frozenset[str] = frozenset()) -> None:
+        self.each = each
+        self._open: dict[str, list[float]] = defaultdict(list)
+        self._closed: dict[str, list[float]] = {}
+
+    def add(self, category: str, seconds: float) -> None:
+        if category in self.each:
+            self._open[category].append(seconds)
+
+    def close_step(self) -> None:
+        self._closed, self._open = dict(self._open), defaultdict(list)
+
+    def intervals(self) -> dict[str, list[float]]:
+        return self._closed
+
+
+class HostTimer(_Intervals):
+    def __init__(self, each: frozenset[str] = frozenset()) -> None:
+        super().__init__(each)
         self._acc: dict[str, float] = defaultdict(float)
 
     def begin(self) -> float:
         return time.perf_counter()
 
     def end(self, token: float, category: str) -> None:
-        self._acc[category] += time.perf_counter() - token
+        seconds = time.perf_counter() - token
+        self._acc[category] += seconds
+        self.add(category, seconds)
 
     def collect(self) -> dict[str, float]:
         out, self._acc = dict(self._acc), defaultdict(float)
+        self.close_step()
         return out
 
 
-class CudaEventTimer:
+class CudaEventTimer(_Intervals):
     """Records a pair of CUDA events per interval; resolves them at collect().
 
     Events are reused from step to step (a step's events have all completed once
     collect() has synchronized on the last one), so the steady state creates none.
     """
 
-    def __init__(self, *, torch: Any = None) -> None:
+    def __init__(self, *, torch: Any = None, each: frozenset[str] = frozenset()) -> None:
+        super().__init__(each)
         if torch is None:
             import torch
         self._torch = torch  # injectable: tests pass a fake with cuda.Event
@@ -68,9 +96,12 @@ class CudaEventTimer:
         if self._pending:
             self._pending[-1][2].synchronize()
         for category, start, stop in self._pending:
-            acc[category] += start.elapsed_time(stop) / 1000.0
+            seconds = start.elapsed_time(stop) / 1000.0
+            acc[category] += seconds
+            self.add(category, seconds)
             self._free += (start, stop)
         self._pending = []
+        self.close_step()
         return dict(acc)
 
 
@@ -90,8 +121,10 @@ class WallAndCpuTimer(HostTimer):
         return time.perf_counter(), time.thread_time()
 
     def end(self, token: tuple[float, float], category: str) -> None:  # type: ignore[override]
-        self._acc[category] += time.perf_counter() - token[0]
+        seconds = time.perf_counter() - token[0]
+        self._acc[category] += seconds
         self._acc[category + CPU_SUFFIX] += time.thread_time() - token[1]
+        self.add(category, seconds)
 
 
 CPU_SUFFIX = ":cpu"
@@ -104,6 +137,7 @@ def work_view(parts: dict[str, float]) -> dict[str, float]:
     return cpu or parts
 
 
-def make_timer(device_type: str) -> IntervalTimer:
-    """CUDA events on a GPU; on a CPU the host clock with each interval's CPU time beside it."""
-    return CudaEventTimer() if device_type == "cuda" else WallAndCpuTimer()
+def make_timer(device_type: str, each: frozenset[str] = frozenset()) -> IntervalTimer:
+    """CUDA events on a GPU; on a CPU the host clock with each interval's CPU time beside it.
+    `each`: the categories whose intervals are also kept one by one for the step."""
+    return CudaEventTimer(each=each) if device_type == "cuda" else WallAndCpuTimer(each)

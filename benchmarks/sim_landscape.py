@@ -172,7 +172,7 @@ class Scenario:
             ranks.append(RankSummary(
                 rank=s, stage=s, steps=8, device_utilization_mean=util,
                 device_utilization_fluctuation=starved + float(abs(rng.normal(0.0, 0.01))),
-                comm_compute_ratio=(comm + wait) / compute, compute_seconds_mean=compute,
+                comm_compute_ratio=comm / compute, compute_seconds_mean=compute,
                 schedule_compute_seconds_mean=compute,
                 comm_seconds_mean=comm, wait_seconds_mean=wait,
                 bubble_fraction=max(0.0, 1.0 - compute / step), wait_fraction=wait / step))

@@ -73,7 +73,7 @@ ALERTS: tuple[AlertSpec, ...] = (
               "autotune_comm_compute_ratio",
               "Communication and waiting dominate compute",
               "Rank {{ $labels.rank }} (stage {{ $labels.stage }}) spends "
-              "{{ $value | printf \"%.2f\" }} s in comm + wait per compute second.", True, "comm_compute_ratio"),
+              "{{ $value | printf \"%.2f\" }} s of transfer (not waiting) per compute second.", True, "comm_compute_ratio"),
     AlertSpec("fragmentation-high", "AutotuneMemoryFragmentationHigh",
               "autotune_memory_fragmentation_ratio",
               "CUDA caching allocator is fragmented",

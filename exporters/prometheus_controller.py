@@ -40,7 +40,7 @@ _SIGNALS: tuple[tuple[str, str, str], ...] = (
     ("autotune_last_trial_device_utilization_fluctuation_ratio", "device_utilization_fluctuation",
      "Worst per-rank utilization fluctuation (population std) of the last trial."),
     ("autotune_last_trial_comm_compute_ratio", "comm_compute_ratio",
-     "Worst per-rank (comm + wait) / compute of the last trial."),
+     "Worst per-rank comm (transfer only) / compute of the last trial."),
     ("autotune_last_trial_memory_fragmentation_ratio", "memory_fragmentation_ratio",
      "Worst rank's 1 - allocated/reserved of the last trial; absent on CPU."),
     ("autotune_last_trial_bubble_measured_ratio", "bubble_fraction_measured",

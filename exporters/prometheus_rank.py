@@ -36,7 +36,13 @@ from prometheus_client.core import (
 )
 
 from autotune.schema import StepRecord
-from autotune.summary import bubble_fraction, comm_compute_ratio, fluctuation, ideal_bubble_fraction
+from autotune.summary import (
+    bubble_fraction,
+    comm_compute_ratio,
+    fluctuation,
+    ideal_bubble_fraction,
+    peer_wait_fraction,
+)
 from exporters.endpoint import Endpoint, serve_registry
 
 DEFAULT_RANK_BASE_PORT = 9710
@@ -197,8 +203,12 @@ class RankExporter:
                          "Population std of per-step utilization over the last measured steps.",
                          fluctuation(window))
         yield from gauge("autotune_comm_compute_ratio",
-                         "(comm + wait) / compute seconds in the last step; may exceed 1.",
-                         comm_compute_ratio(r.comm_seconds, r.wait_seconds, r.compute_seconds))
+                         "Communication (transfer only, not the wait for a peer) / compute seconds "
+                         "in the last step.",
+                         comm_compute_ratio(r.comm_seconds, r.compute_seconds))
+        yield from gauge("autotune_peer_wait_ratio",
+                         "Share of the last step spent waiting for a peer stage in sends and receives.",
+                         peer_wait_fraction(r.wait_seconds, r.step_seconds))
         yield from gauge("autotune_memory_fragmentation_ratio",
                          "1 - allocated/reserved of the CUDA caching allocator; absent on CPU.",
                          r.memory_fragmentation_ratio)
@@ -217,7 +227,8 @@ class RankExporter:
         yield from gauge("autotune_samples_per_second",
                          "Global samples in the step / this rank's step seconds.",
                          r.samples_per_second)
-        yield from gauge("autotune_tokens_per_second", "samples_per_second x sequence length.",
+        yield from gauge("autotune_tokens_per_second",
+                         "samples_per_second x sequence length; absent when not a token model.",
                          r.tokens_per_second)
         yield from gauge("autotune_step_compute_seconds",
                          "Forward + backward + optimizer seconds in the last step.",
@@ -227,9 +238,10 @@ class RankExporter:
                          "across stages (stage imbalance input).",
                          r.compute_seconds - (r.optimizer_seconds or 0.0))
         yield from gauge("autotune_step_comm_seconds",
-                         "Send + gradient reduction seconds in the last step.", r.comm_seconds)
+                         "Point-to-point transfer + gradient reduction seconds in the last step "
+                         "(without the wait for a peer).", r.comm_seconds)
         yield from gauge("autotune_step_wait_seconds",
-                         "Receive seconds (waiting for the peer stage) in the last step.",
+                         "Seconds waiting for a peer stage in sends and receives in the last step.",
                          r.wait_seconds)
         yield from gauge("autotune_step_data_seconds", "Data loading seconds in the last step.",
                          r.data_seconds)

@@ -256,4 +256,4 @@ def test_the_other_built_in_method_is_proposed(tmp_path, method, new):
     f = finding(advise(trial), "stage-imbalance")
     assert f["subject"] == "trial 0"
     change = f["changes"][0]
-    assert (change["current"], change["new"]) == (method, new) and "trial.json" in change["note"]
+    assert (change["current"], change["new"]) == (method, new) and "as the trial's model was built" in change["note"]

@@ -35,8 +35,8 @@ def run(*args: str):
 @pytest.fixture
 def metrics(tmp_path):
     f = tmp_path / "metrics.csv"
-    # comm (0.05) + wait (0.1) over compute 0.6 = 0.25.. -> 0.27 on stage 1: comm-compute-high fires
-    f.write_text(csv_text(grid_records(trials=2, comm_seconds=0.1)))
+    # comm (transfer only) 0.2 over compute 0.6-0.62: 0.32-0.33 > 0.25, comm-compute-high fires
+    f.write_text(csv_text(grid_records(trials=2, comm_seconds=0.2)))
     return f
 
 
@@ -225,3 +225,14 @@ def test_host_bound_is_not_available_on_cpu(metrics):
     found = {f["rule_id"]: f for f in json.loads(res.output)["findings"]}
     assert found["host-bound"]["status"] == "insufficient_data"
     assert "busy fraction" in json.dumps(found["host-bound"]["missing"])
+
+
+def test_a_csv_written_before_schema_2_reads_and_says_which_definitions_it_has(metrics):
+    """The fixture predates the `schema_version` column: its comm held the sends' waits (issue 24)."""
+    old = run("advise", str(FIX / "h200-small-1stage.csv"), "--format", "json")
+    assert old.exit_code == 0, old.output
+    assert any("metrics schema 1" in n and "over-states the transfer" in n for n in json.loads(old.output)["notes"])
+    table = run("advise", str(FIX / "h200-small-1stage.csv"))
+    assert table.exit_code == 0 and "metrics schema 1" in table.output
+    new = run("advise", str(metrics), "--format", "json")
+    assert new.exit_code == 0 and not any("schema" in n for n in json.loads(new.output)["notes"])

@@ -36,11 +36,11 @@ def _space() -> SearchSpace:
 
 
 def _layer_costs(folder) -> None:
-    """Stage 1 of [0, 3, 6] holds the heavy layer 5: balanced as [0, 4, 6]."""
+    """Stage 1 of [0, 3, 6] holds the heavy layer 5 (a head after five blocks): balanced as [0, 4, 6]."""
     folder.mkdir(parents=True, exist_ok=True)
     costs = [1, 1, 1, 1, 1, 4]
     for s, (lo, hi) in enumerate([(0, 3), (3, 6)]):
-        rows = [{"rank": s, "stage": s, "stages": 2, "layer": i, "name": f"L{i}", "forward_seconds": costs[i] / 2,
+        rows = [{"rank": s, "stage": s, "stages": 2, "layer": i, "name": "Head" if i == 5 else "Block", "forward_seconds": costs[i] / 2,
                  "backward_seconds": costs[i] / 2, "parameters": 100, "activation_bytes": 1,
                  "stage_overhead_seconds": 0.0, "stage_peak_memory_bytes": 1.0, "peak_memory_kind": "process_max_rss",
                  "micro_batch_size": 2, "gradient_accumulation_steps": 4, "steps": 2} for i in range(lo, hi)]

@@ -11,7 +11,7 @@ from prom_helpers import scrape, synthetic_records, taken_port
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from autotune.summary import comm_compute_ratio, fluctuation, ideal_bubble_fraction
+from autotune.summary import fluctuation, ideal_bubble_fraction
 from exporters.endpoint import MetricsEndpointWarning
 from exporters.prometheus_rank import RankExporter
 
@@ -40,8 +40,8 @@ def test_gauges_follow_the_signal_definitions():
     exp.write(r)
     lab = {"stage": "1"}
     assert value(reg, "autotune_device_utilization_ratio", **lab) == pytest.approx(r.device_utilization)
-    assert value(reg, "autotune_comm_compute_ratio", **lab) == pytest.approx(
-        comm_compute_ratio(r.comm_seconds, r.wait_seconds, r.compute_seconds))
+    assert value(reg, "autotune_comm_compute_ratio", **lab) == pytest.approx(r.comm_seconds / r.compute_seconds)
+    assert value(reg, "autotune_peer_wait_ratio", **lab) == pytest.approx(r.wait_seconds / r.step_seconds)
     assert value(reg, "autotune_bubble_measured_ratio", **lab) == pytest.approx(1 - r.compute_seconds / r.step_seconds)
     assert value(reg, "autotune_bubble_ideal_ratio", **lab) == pytest.approx(ideal_bubble_fraction(2, 4))
     assert value(reg, "autotune_step_compute_seconds", **lab) == pytest.approx(r.compute_seconds)

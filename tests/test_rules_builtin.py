@@ -119,6 +119,18 @@ def test_comm_high_never_proposes_a_smaller_bucket():
     assert [c.target for c in f.changes] == ["gradient_accumulation_steps"]
 
 
+def test_the_data_parallel_remedy_is_proposed_only_with_data_parallelism():
+    """dp 1 has no reduction to amortize (issue 24: the advice read "raise GAS ... amortize the
+    data-parallel reduction" on a dp-1 job); its transfers are point-to-point."""
+    dp2 = fired(evaluate([healthy_summary(comm_compute_ratio=0.5)]), "comm-compute-high")[0]
+    assert "gradient_accumulation_steps" in [c.target for c in dp2.changes]
+    dp1 = fired(evaluate([healthy_summary(comm_compute_ratio=0.5, data_parallel_size=1, reduce_bucket_size=None)]),
+                "comm-compute-high")[0]
+    assert [(c.kind, c.target) for c in dp1.changes] == [("trial", "micro_batch_size")]
+    above = fired(evaluate([healthy_summary(comm_compute_ratio=0.2, data_parallel_size=1)]), "comm-compute-above-target")
+    assert above and "gradient_accumulation_steps" not in [c.target for c in above[0].changes]
+
+
 def test_comm_high_moves_the_tuner_to_one_bucket():
     from autotune.proposers.rule_moves import propose_moves
     from autotune.space import SearchSpace, TrialConfig

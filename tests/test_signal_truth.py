@@ -37,6 +37,14 @@ def test_injected_slow_stage_shows_as_imbalance_and_waiting(tmp_path):
     assert slow.stage_compute_imbalance > base.stage_compute_imbalance
     wait0 = lambda s: next(r for r in s.ranks if r.stage == 0).wait_seconds_mean  # noqa: E731
     assert wait0(slow) > 2 * wait0(base)
+    # Stage 0's sends block until the slowed stage 1 takes them: that is waiting, not transfer
+    # (issue 24). Its wait grows by most of stage 1's extra compute (the rest was idle time it
+    # had before), while its transfer (comm) stays what it was: the same tensors, the same link.
+    comm0 = lambda s: next(r for r in s.ranks if r.stage == 0).comm_seconds_mean  # noqa: E731
+    extra = slow.stage_compute_seconds[1] - base.stage_compute_seconds[1]
+    assert wait0(slow) - wait0(base) > 0.6 * extra
+    assert comm0(slow) < 1.5 * comm0(base) + 0.1 * extra
+    assert next(r for r in slow.ranks if r.stage == 0).comm_compute_ratio < 0.25  # not "chatty"
 
 
 def test_balanced_bubble_tracks_the_ideal(tmp_path):

@@ -56,10 +56,14 @@ def test_throughput_uses_slowest_rank_per_step_and_skips_warmup():
 def test_ratios_imbalance_bubble_by_hand():
     s = two_rank_trial()
     r0, r1 = s.ranks
-    assert r0.comm_compute_ratio == pytest.approx((0.2 + 0.3) / 0.8)
-    assert r1.comm_compute_ratio == pytest.approx((0.2 + 0.4) / 1.6)
-    assert s.comm_compute_ratio == pytest.approx(0.625)
+    # transfer only: waiting for a peer is not communication (issue 24)
+    assert r0.comm_compute_ratio == pytest.approx(0.2 / 0.8)
+    assert r1.comm_compute_ratio == pytest.approx(0.2 / 1.6)
+    assert s.comm_compute_ratio == pytest.approx(0.25)
     assert s.transfer_compute_ratio == pytest.approx(0.2 / 0.8)
+    # waiting is its own signal: worst rank's wait / step, 0.3/1.5 and 0.4/2.5
+    assert s.peer_wait_fraction == pytest.approx(0.2)
+    assert s.metrics_schema == 2
     # stage means: stage0 0.4 s, stage1 0.8 s -> max/mean = 0.8/0.6
     assert s.stage_compute_imbalance == pytest.approx(0.8 / 0.6)
     assert s.slowest_stage == 1

@@ -62,6 +62,19 @@ def test_cuda_event_timer_reads_event_pairs_once_per_step():
     assert t.collect() == {}
 
 
+def test_cuda_event_timer_keeps_the_asked_categories_intervals_one_by_one():
+    """The point-to-point split (autotune/p2p_split.py) needs each send's and receive's time, on a
+    GPU from the events as well."""
+    t = CudaEventTimer(torch=FakeTorch, each=frozenset({"p2p:SendGrad"}))
+    FakeEvent.clock = 0.0
+    for width, cat in ((0.5, "p2p:SendGrad"), (0.25, "p2p:SendGrad"), (1.0, "compute")):
+        a = t.begin()
+        FakeEvent.clock += width
+        t.end(a, cat)
+    assert t.collect() == pytest.approx({"p2p:SendGrad": 0.75, "compute": 1.0})
+    assert t.intervals() == {"p2p:SendGrad": pytest.approx([0.5, 0.25])}
+
+
 def test_cuda_event_timer_reuses_a_steps_events():
     t = CudaEventTimer(torch=FakeTorch)
     FakeEvent.clock, FakeEvent.created = 0.0, 0

@@ -77,3 +77,110 @@ def test_cli_command_for_a_study_of_the_built_in_workload_is_refused_and_the_stu
     assert "study of the built-in workload" in result.output
     assert (job / "st" / "study.db").read_bytes() == before
     sqlite3.connect(job / "st" / "study.db").execute("SELECT count(*) FROM trials").fetchone()
+
+
+# -- what a user-command study says it ran (issue 24, finding 4) --------------------------------
+COMMAND_FACTS = {"parameters": 123_456, "pipeline_stages": 2, "data_parallel_size": 2, "micro_batch_size": 1,
+                 "gradient_accumulation_steps": 16}
+
+
+def _finished_user_study(job: Path, stored_facts: dict) -> tuple[Path, list[str]]:
+    """A user-command study whose budget is spent, built through the real Study API; `stored_facts`
+    is what its start-up check stored beside the command ({} for argv, cwd, parameters only: a study
+    stored before the other fields)."""
+    import json
+    from dataclasses import asdict
+
+    from html_study import CFGS, SPACE, ok_trial
+
+    from autotune.options import RunOptions
+    from autotune.study import Study
+    from autotune.usercmd.job import META_KEY
+
+    (job / "ds.json").write_text(json.dumps({
+        "train_batch_size": 32, "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 16,
+        "optimizer": {"type": "Adam", "params": {"lr": 0.001}}, "zero_optimization": {"stage": 1}}))
+    argv = ["deepspeed", "--num_gpus", "2", "train.py", "--deepspeed_config", "ds.json", "-p", "2",
+            "--backend", "gloo"]  # as the user typed it, in its folder
+    opts = RunOptions(budget=3, config=str(job / "ds.json"), no_metrics=True)
+    opts.workload.pipeline_stages, opts.workload.data_parallel_size = 2, 2
+    opts.workload.steps, opts.workload.warmup_steps = 4, 1
+    user = {"argv": argv, "cwd": str(job), "parameters": 123_456, **stored_facts}
+    study = Study.open(job / "st", create=True, meta={
+        "settings": opts.to_dict(), "budget": 3, "space": SPACE, "workload": asdict(opts.workload),
+        META_KEY: user})
+    for number, (cfg, speed) in enumerate([(CFGS[0], 20.0), (CFGS[1], 35.0), (CFGS[3], 50.0)]):
+        ok_trial(study, number, cfg, speed)
+    study.close()
+    return job / "st", argv
+
+
+COMMAND = "deepspeed --num_gpus 2 train.py --deepspeed_config ds.json -p 2 --backend gloo"
+
+
+@pytest.fixture(scope="module", params=[COMMAND_FACTS, {}], ids=["start-up-facts", "older-study"])
+def finished_run(request, tmp_path_factory):
+    """`autotune run --study ST` on a finished user-command study: no trial runs, every output is
+    written again. Returns (study folder, the run's output, what the reports must say)."""
+    pytest.importorskip("matplotlib", reason="report.html: pip install 'autotune[report]'")
+    from autotune.cli import cli
+
+    folder = tmp_path_factory.mktemp("usercmd-outputs")
+    (folder / "train.py").write_text("print('hi')\n")
+    root, _ = _finished_user_study(folder, request.param)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+        result = CliRunner().invoke(cli, ["run", "--study", str(root), "--budget", "3", "--no-metrics"])
+    assert result.exit_code == 0, result.output
+    micro = ", micro-batch 1 x GAS 16 in its config" if request.param else ""  # an older study: not stored
+    facts = f"(start-up check: 123,456 parameters, 2 pipeline stages x 2 data-parallel = 4 ranks{micro})"
+    return root, result.output, facts
+
+
+def test_the_runs_first_lines_name_the_users_command_not_a_preset(finished_run):
+    _, output, facts = finished_run
+    header = next(line for line in output.splitlines() if line.startswith("study: "))
+    assert f"  |  the command {COMMAND} {facts}  |  tuner: hybrid, budget 3" in header
+    assert "workload" not in header and "tiny" not in header
+
+
+def test_summary_json_names_the_users_command_and_what_its_check_read(finished_run):
+    import json
+
+    root, _, facts = finished_run
+    summary = json.loads((root / "summary.json").read_text())
+    assert summary["job"] == f"the command {COMMAND} {facts}"
+    assert summary["user_command"]["argv"] == COMMAND.split() and summary["user_command"]["parameters"] == 123_456
+    assert summary["workload"]["preset"] is None  # the options' default preset never ran
+
+
+def test_report_md_names_the_users_command(finished_run):
+    root, _, facts = finished_run
+    report = (root / "report.md").read_text()
+    assert f"On: the command `{COMMAND}` {facts}." in report.splitlines()
+    assert "tiny" not in report
+
+
+def test_report_html_on_line_names_the_users_command(finished_run):
+    root, _, facts = finished_run
+    page = (root / "report.html").read_text()
+    on = page.split("<dt>On</dt><dd>", 1)[1].split("</dd>", 1)[0]
+    assert on.startswith(f"the command {COMMAND} {facts}")
+    assert on.endswith("; 4 measured + 1 warm-up steps per trial")
+    assert "tiny" not in on and "None" not in on and "?" not in on  # what is known, never a placeholder
+
+
+def test_a_very_long_command_is_cut_after_a_word_saying_how_much_was_left_out():
+    from autotune.usercmd.job import COMMAND_SHOWN, describe_job, short_command
+
+    argv = ["deepspeed", "--num_gpus", "8", "train.py", "--name", "a b"] + [f"--flag{i}=" + "x" * 20 for i in range(12)]
+    shown = short_command(argv)
+    assert len(shown) <= COMMAND_SHOWN
+    assert shown.startswith("deepspeed --num_gpus 8 train.py --name 'a b' --flag0=")  # as typed, quoted as typed
+    kept = shown.split(" ... ")[0].split(" ")
+    assert shown.endswith(f" ... ({len(argv) - len(kept) + 1} more arguments)")  # 'a b' is one argument
+    assert short_command(["/" + "p" * 300]) == "/" + "p" * 300  # the launcher is always named
+    # a built-in study says its preset, as before; a stored command without facts names the command only
+    assert describe_job(None, {"preset": "tiny", "pipeline_stages": 2, "data_parallel_size": 2}) == (
+        "workload tiny, 2 pipeline stages x 2 data-parallel = 4 ranks")
+    assert describe_job({"argv": ["torchrun", "t.py"]}, {}) == "the command torchrun t.py"

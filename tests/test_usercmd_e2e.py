@@ -66,6 +66,58 @@ def test_every_trial_ran_the_users_script_and_succeeded(loader_study):
         assert len((d / "metrics-rank1.csv").read_text().splitlines()) == 1 + 3  # header + warm-up + 2 steps
 
 
+def test_the_outputs_name_the_users_command_and_what_its_start_up_check_read(loader_study):
+    """Not the built-in preset (`workload tiny`): the header, summary.json, report.md, report.html."""
+    import re
+
+    from autotune.usercmd.job import short_command
+
+    _, study, command, proc = loader_study
+    db = sqlite3.connect(study / "study.db")
+    try:
+        stored = json.loads(db.execute("SELECT value FROM meta WHERE key = 'user_command'").fetchone()[0])
+    finally:
+        db.close()
+    said = re.search(r"the job: .* ([\d,]+) parameters, micro 2 x GAS 8", proc.stdout)  # the check's own note
+    assert said and stored["parameters"] == int(said.group(1).replace(",", "")) > 0
+    assert (stored["pipeline_stages"], stored["data_parallel_size"]) == (2, 1)
+    assert (stored["micro_batch_size"], stored["gradient_accumulation_steps"]) == (2, 8)  # examples/ds_config.json
+    shown = short_command(command)
+    assert shown.startswith("deepspeed --num_gpus 2 ")
+    facts = (f"(start-up check: {stored['parameters']:,} parameters, 2 pipeline stages x 1 data-parallel = 2 ranks, "
+             "micro-batch 2 x GAS 8 in its config)")
+    header = next(line for line in proc.stdout.splitlines() if line.startswith("study: "))
+    assert f"  |  the command {shown} {facts}  |  tuner: " in header and "tiny" not in header
+    summary = json.loads((study / "summary.json").read_text())
+    assert summary["job"] == f"the command {shown} {facts}" and summary["workload"]["preset"] is None
+    assert f"On: the command `{shown}` {facts}." in (study / "report.md").read_text()
+    if (study / "report.html").is_file():  # the report extra installed
+        page = (study / "report.html").read_text()
+        assert "workload tiny" not in page and f"<dt>On</dt><dd>the command {shown} {facts}" in page.replace(
+            "&#x27;", "'")
+
+
+def test_the_scripts_sequence_length_is_read_from_its_token_input(loader_study):
+    """pipeline_train.py feeds (2 x 32) token ids: its first stage reads 32 off the input; the last
+    stage never sees the input and leaves the cells empty; the summary has the tokens."""
+    from autotune.metrics_csv import read_metrics_csv
+
+    _, study, _, _ = loader_study
+    for n in range(3):
+        d = study / f"trial-{n:03d}"
+        first, last = (read_metrics_csv(d / f"metrics-rank{r}.csv") for r in (0, 1))
+        assert {r.seq_length for r in first} == {32}
+        assert all(r.tokens_per_second == pytest.approx(r.samples_per_second * 32) for r in first)
+        assert {(r.seq_length, r.tokens_per_second) for r in last} == {(None, None)}
+    db = sqlite3.connect(study / "study.db")
+    try:
+        summaries = [json.loads(s) for (s,) in db.execute("SELECT summary_json FROM trials ORDER BY number")]
+    finally:
+        db.close()
+    assert len(summaries) == 3
+    assert all(s["tokens_per_second"] == pytest.approx(s["samples_per_second"] * 32) for s in summaries)
+
+
 def test_trial_0_is_the_users_config_unchanged_and_the_others_keep_everything_else(loader_study):
     _, study, _, _ = loader_study
     user = json.loads(USER_CONFIG.read_text())

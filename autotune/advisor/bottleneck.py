@@ -3,7 +3,9 @@
 The partition is a model-level setting (`PipelineModule(partition_method=...)` in the
 user's code), not a ds_config key, so these changes are advice: they name the method
 to try, how much work to move off the bottleneck stage and, where per-layer cost files
-lie beside the metrics, the parts `autotune.partition` proposes.
+lie beside the metrics, the parts `autotune.partition` proposes, or the `type:` regex over
+the model's own layer classes that builds them. Where the layers are not known, they say
+what to run to learn them, never a placeholder.
 """
 
 from __future__ import annotations
@@ -20,6 +22,11 @@ DEEPSPEED_DEFAULT_METHOD = "parameters"
 NOT_A_CONFIG_KEY = "a PipelineModule(partition_method=...) argument in your model code, not a ds_config key"
 LAYER_COST_GLOB = "layer-costs-rank*.csv"  # autotune.layer_costs.FILE_GLOB (that module imports the probe's timer)
 """Per-layer forward/backward times, one file per rank, beside the metrics CSVs."""
+ENGINE_MARKER_GLOB = "engine-rank*.json"  # autotune.usercmd.hook.marker_path(trial_dir, "engine", rank)
+"""What the bootstrap read from a user's engine, beside a trial's metrics: `layers` holds the class
+of every layer of the PipelineModule, as DeepSpeed's `type:` method reads it."""
+MEASURE = "autotune run --balance-stages -- deepspeed ... (the job's own command)"
+"""What measures the layers' classes and costs of a job and computes its partition."""
 
 
 def bottleneck_change(move: Move, s: SignalSet, raw: dict[str, Any] | None) -> Change | None:
@@ -27,6 +34,8 @@ def bottleneck_change(move: Move, s: SignalSet, raw: dict[str, Any] | None) -> C
         return other_partition_method(s, raw)
     if move.compute == "rebalance_stage":
         return rebalance_stage(s)
+    if move.compute == "type_partition":
+        return type_partition(s, raw)
     return measured_parts(s)
 
 
@@ -34,14 +43,20 @@ def current_method(s: SignalSet, raw: dict[str, Any] | None) -> tuple[str | None
     """The method the run used and where that is known from (trial.json, or the config's
     ignored `pipeline.partition_method`, which says what the user meant)."""
     if s.partition_method:
-        return s.partition_method, "the trial's trial.json"
+        return s.partition_method, "as the trial's model was built"
     pipe = raw.get("pipeline") if isinstance(raw, dict) else None
     if isinstance(pipe, dict) and isinstance(pipe.get("partition_method"), str):
         return pipe["partition_method"], "the config's pipeline.partition_method, which DeepSpeed ignores"
     return None, ""
 
 
-def other_partition_method(s: SignalSet, raw: dict[str, Any] | None) -> Change:
+def other_partition_method(s: SignalSet, raw: dict[str, Any] | None) -> Change | None:
+    """DeepSpeed's other built-in method; where the layers' measured costs are beside the
+    metrics, the method they say balances the stages instead of a guess (a `type:` regex, or
+    "keep"), or nothing where only a parts list does (the measured-parts move names it)."""
+    if _layers(s)[0] is not None:
+        typed = type_partition(s, raw)
+        return typed if typed is not None and typed.target == "PipelineModule:partition_method" else None
     cur, where = current_method(s, raw)
     stale = ""
     if cur == "parameters" or cur is None:
@@ -52,7 +67,7 @@ def other_partition_method(s: SignalSet, raw: dict[str, Any] | None) -> Change:
     else:
         new = "parameters"  # from uniform or type:REGEX, the other built-in balance
     known = f"now {cur} ({where})" if cur else f"the run's method is not recorded (DeepSpeed's default: {DEEPSPEED_DEFAULT_METHOD})"
-    note = f"{NOT_A_CONFIG_KEY}; {known}; or type:<your block class>; re-measure after the change{stale}"
+    note = f"{NOT_A_CONFIG_KEY}; {known}; {type_note(s)}; re-measure after the change{stale}"
     return Change(kind="advice", target="PipelineModule:partition_method", current=cur, new=new, note=note)
 
 
@@ -131,3 +146,138 @@ def measured_parts(s: SignalSet) -> Change | None:
             f"{imbalance(new_t):.2f}; {moved}; DeepSpeed's methods cannot take a parts list: "
             "autotune run tries it, or use the nearest type:/uniform setting")
     return Change(kind="advice", target="PipelineModule parts", current=list(lc.parts), new=new, note=note)
+
+
+# -- type:REGEX over the model's own layer classes -------------------------------------------------
+
+def _layers(s: SignalSet) -> tuple[Any, list[str] | None]:
+    """(the layer costs beside the metrics or None, the layers' classes or None): the costs name
+    the classes too; without them the bootstrap's engine markers may (a user's command)."""
+    files = layer_cost_files(s)
+    if files:
+        return _read_costs(files), None
+    import json
+
+    folders = dict.fromkeys(Path(p).parent for p in s.sources)
+    for f in sorted(f for d in folders for f in d.glob(ENGINE_MARKER_GLOB)):
+        try:
+            layers = json.loads(f.read_text(encoding="utf-8")).get("layers")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(layers, list) and layers and all(isinstance(x, str) for x in layers):
+            return None, layers
+    return None, None
+
+
+def _read_costs(files: list[Path]) -> Any:
+    from autotune.errors import InputFileError, UserError
+    from autotune.layer_costs import read_layer_costs
+
+    try:
+        return read_layer_costs(files)
+    except (UserError, OSError, ValueError, KeyError) as exc:
+        raise InputFileError(f"layer costs beside the metrics ({files[0].parent}): {exc}; "
+                             "move them away to advise without them") from None
+
+
+def _classes(names: list[str]) -> str:
+    return ", ".join(dict.fromkeys(names))
+
+
+def _typed(lc: Any) -> tuple[list[int], tuple[str, list[int]] | None, bool]:
+    """(the balanced parts, the best type: method over the layers' classes, whether it is
+    predicted within 2 % of the balanced parts' slowest stage)."""
+    from autotune.partition import balanced_parts, best_type_method, stage_times
+
+    fixed = lc.stage_fixed_seconds
+    best = balanced_parts(lc.costs, lc.stages, stage_fixed=fixed)
+    typed = best_type_method(lc.names, lc.costs, lc.stages, fixed)
+    good = typed is not None and (max(stage_times(lc.costs, typed[1], fixed))
+                                  <= max(stage_times(lc.costs, best, fixed)) * (1 + TYPE_TOLERANCE))
+    return best, typed, good
+
+
+TYPE_TOLERANCE = 0.02
+"""A type: method is named when its parts are predicted within this of the balanced parts'
+slowest stage (autotune.balance.builtin_equivalent's tolerance)."""
+NO_GAIN = 0.05
+"""Where the balanced parts are predicted no more than this faster than the measured partition,
+no partition is proposed (autotune.balance: NOISE x GAIN_OF_NOISE, the gain a round needs)."""
+
+
+def _no_gain(lc: Any, best: list[int], lead: str) -> str | None:
+    """The no-gain line where the measured partition is about as good as any (else None)."""
+    from autotune.partition import no_gain_text, stage_times
+
+    fixed = lc.stage_fixed_seconds
+    if max(stage_times(lc.costs, lc.parts, fixed)) > max(stage_times(lc.costs, best, fixed)) * (1 + NO_GAIN):
+        return None
+    return no_gain_text(lc.names, lc.costs, lc.parts, best, fixed, margin=NO_GAIN, lead=lead,
+                        keep="keep the partition you have")
+
+
+def type_note(s: SignalSet) -> str:
+    """What a `type:REGEX` method would do for this job, from what the input knows of its layers."""
+    from autotune.partition import imbalance, stage_times
+
+    lc, names = _layers(s)
+    if lc is not None:
+        best, typed, good = _typed(lc)
+        stuck = _no_gain(lc, best, "no other partition helps")
+        if stuck:
+            return stuck
+        if typed is not None and good:
+            pred = imbalance(stage_times(lc.costs, typed[1], lc.stage_fixed_seconds))
+            return (f"or partition_method='{typed[0]}' over the model's own layer classes: it builds "
+                    f"{typed[1]}, predicted imbalance {pred:.2f} (from the measured layer costs)")
+        return (f"no type: regex over the model's layer classes ({_classes(lc.names)}) balances it: "
+                f"the measured layer costs balance as parts {best} (PARTS in the PipelineModule subclass of "
+                "docs/partition.md)")
+    if names is not None:
+        return (f"type:REGEX balances the count of layers of the classes it finds (this model's: "
+                f"{_classes(names)}); which regex balances the work needs the layers' costs: "
+                "autotune run --layer-costs (or --balance-stages) measures them")
+    return f"a type:REGEX method balances the count of layers of the classes it finds: {MEASURE} measures the layers' classes and costs and names the partition"
+
+
+def type_partition(s: SignalSet, raw: dict[str, Any] | None) -> Change | None:
+    """The partition to balance the stages by, where `partition_method` is named by layer type:
+    the `type:` regex over the model's own classes that the measured layer costs say balances
+    it, else the balanced parts; without layer costs, what to run to learn them. None where the
+    measured costs say the stages are already balanced (the bubble comes from elsewhere)."""
+    from autotune.partition import imbalance, stage_times
+
+    cur, where = current_method(s, raw)
+    lc, names = _layers(s)
+    if lc is not None:
+        best, typed, good = _typed(lc)
+        fixed = lc.stage_fixed_seconds
+        now = imbalance(stage_times(lc.costs, lc.parts, fixed))
+        stuck = _no_gain(lc, best, "no partition helps")
+        if stuck:
+            return Change(kind="advice", target="PipelineModule:partition_method", current=cur,
+                          new="keep the partition you have", note=stuck)
+        if typed is not None and good:
+            pred = imbalance(stage_times(lc.costs, typed[1], fixed))
+            return Change(kind="advice", target="PipelineModule:partition_method", current=cur, new=typed[0],
+                          note=f"{NOT_A_CONFIG_KEY}; over the model's own layer classes ({_classes(lc.names)}): "
+                               f"builds {typed[1]}, predicted work imbalance {now:.2f} -> {pred:.2f} "
+                               "(from the measured layer costs)")
+        pred = imbalance(stage_times(lc.costs, best, fixed))
+        near = f" (the best, '{typed[0]}', builds {typed[1]})" if typed is not None else ""
+        return Change(kind="advice", target="PipelineModule parts", current=list(lc.parts), new=best,
+                      note=f"no type: regex over the model's layer classes ({_classes(lc.names)}) balances it"
+                           f"{near}; the measured layer costs balance as these parts, predicted work imbalance "
+                           f"{now:.2f} -> {pred:.2f}: PARTS in the PipelineModule subclass of docs/partition.md; "
+                           "autotune run --balance-stages measures them against the job's own partition")
+    if names is not None:
+        return Change(kind="advice", target="PipelineModule:partition_method", current=cur,
+                      new="autotune run --layer-costs (or --balance-stages) on this job first",
+                      note=f"{NOT_A_CONFIG_KEY}; type:REGEX balances the count of layers of the classes it "
+                           f"finds (this model's: {_classes(names)}); the layers' measured costs say which "
+                           "regex, if any, balances the work")
+    known = f"now {cur} ({where}); " if cur else ""
+    return Change(kind="advice", target="PipelineModule:partition_method", current=cur,
+                  new=f"measure the layers first: {MEASURE}",
+                  note=f"{NOT_A_CONFIG_KEY}; {known}it learns the model's layer classes and costs and names a "
+                       "type:REGEX over those classes where one balances the stages, else the balanced parts")

@@ -148,6 +148,11 @@ def _impact(rule: Rule, ev: Evidence, changes: list[Change], s: SignalSet) -> fl
         value = rule.impact_value
     elif rule.impact_kind == "imbalance":
         value = 1.0 - 1.0 / measured if measured > 0 else 0.0
+    elif rule.impact_kind == "excess_beyond_imbalance":
+        # The idle share the stage imbalance already explains is the imbalance finding's to
+        # fix: a symptom does not outrank its cause (issue 24).
+        explained = s.get("imbalance_idle_fraction") or 0.0
+        value = (abs(measured - ev.threshold) - explained) * rule.impact_value
     elif rule.impact_kind == "bubble":
         p = s.get("pipeline_stages")
         gas = next((c for c in changes if c.target == "gradient_accumulation_steps"), None)

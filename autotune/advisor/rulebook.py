@@ -33,8 +33,9 @@ root, where people read and edit the rules, is a link to this file."""
 SEVERITIES = ("critical", "warning", "info")
 TRIAL_PARAMS = ("micro_batch_size", "gradient_accumulation_steps", "reduce_bucket_size")
 COMPUTES = frozenset({"gas_for_bubble", "next_multiple_of_stages", "bytes_to_elements", "loader_workers",
-                      "one_bucket", "other_partition_method", "rebalance_stage", "measured_parts"})
-IMPACT_KINDS = ("excess", "fixed", "imbalance", "bubble")
+                      "one_bucket", "other_partition_method", "rebalance_stage", "measured_parts",
+                      "type_partition"})
+IMPACT_KINDS = ("excess", "fixed", "imbalance", "bubble", "excess_beyond_imbalance")
 _ID = re.compile(r"^[a-z0-9][a-z0-9-]{1,63}$")
 
 

@@ -16,7 +16,8 @@ from autotune.summary import TrialSummary
 # Signals derived from measurements (metrics CSV, nvidia-smi, Prometheus export).
 METRIC_SIGNALS: frozenset[str] = frozenset({
     "device_utilization_fluctuation", "cross_device_fluctuation", "device_utilization_mean",
-    "comm_compute_ratio", "comm_compute_ratio_mean", "transfer_compute_ratio",
+    "comm_compute_ratio", "comm_compute_ratio_mean", "transfer_compute_ratio", "peer_wait_fraction",
+    "imbalance_idle_fraction",
     "bubble_fraction_measured", "bubble_fraction_ideal", "bubble_fraction_excess",
     "stage_compute_imbalance", "step_time_jitter", "samples_per_second",
     "memory_fragmentation_ratio", "memory_peak_bytes", "memory_used_ratio", "oom",
@@ -124,6 +125,8 @@ def from_summary(s: TrialSummary, *, oom: bool | None = None,
         "comm_compute_ratio": s.comm_compute_ratio,
         "comm_compute_ratio_mean": s.comm_compute_ratio_mean,
         "transfer_compute_ratio": s.transfer_compute_ratio,
+        "peer_wait_fraction": s.peer_wait_fraction,
+        "imbalance_idle_fraction": s.imbalance_idle_fraction,
         "bubble_fraction_measured": s.bubble_fraction_measured,
         "bubble_fraction_ideal": s.bubble_fraction_ideal,
         "bubble_fraction_excess": s.bubble_fraction_measured - s.bubble_fraction_ideal,

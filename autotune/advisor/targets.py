@@ -19,7 +19,8 @@ DEFAULT_BUBBLE_TARGET = 0.2
 BYTE_LIKE_UNIT = 1 << 20
 """A bucket size that is an exact multiple of 1 MiB was almost surely written as bytes."""
 BUCKET_KEYS = ("reduce_bucket_size", "allgather_bucket_size")
-BOTTLENECK_COMPUTES = frozenset({"other_partition_method", "rebalance_stage", "measured_parts"})
+BOTTLENECK_COMPUTES = frozenset({"other_partition_method", "rebalance_stage", "measured_parts",
+                                 "type_partition"})
 """Advice on an unbalanced pipeline (autotune/advisor/bottleneck.py)."""
 
 

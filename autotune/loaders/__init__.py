@@ -58,6 +58,7 @@ def load_inputs(args: Sequence[str], *, stages: int | None = None) -> LoadedInpu
                                         partition_method=g.partition_method,
                                         sources=tuple(str(p) for p in g.paths)))
         notes += [n for s in summaries if (n := _missing_ranks(s))]
+        notes += [n for s in summaries if (n := _old_schema(s))]
         return LoadedInput(format=fmt, subjects=_unique(subjects, groups), notes=list(dict.fromkeys(notes)),
                            summaries=summaries, groups=groups)
     if fmt == NVIDIA_SMI:
@@ -114,6 +115,19 @@ def _split_overlapping(groups: list[InputGroup]) -> tuple[list[InputGroup], list
                      "so each file of that folder is advised on its own")
         out.extend(replace(g, name=p.name, paths=(p,)) for p in g.paths)
     return out, notes
+
+
+OLD_SCHEMA_NOTE = ("written with metrics schema 1 (before autotune split waiting from transfer): "
+                   "comm_seconds holds every send's whole time, its wait for the peer stage included, "
+                   "and wait_seconds every receive's, so comm/compute over-states the transfer; "
+                   "re-measure for schema 2")
+
+
+def _old_schema(s: TrialSummary) -> str:
+    """Say which definitions an older CSV was written with (docs/metrics.md, schema versions)."""
+    if s.metrics_schema is None or s.metrics_schema >= 2:
+        return ""
+    return f"trial {s.trial}: {OLD_SCHEMA_NOTE}" if s.trial >= 0 else OLD_SCHEMA_NOTE
 
 
 def _missing_ranks(s: TrialSummary) -> str:

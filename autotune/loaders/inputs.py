@@ -153,12 +153,16 @@ def _metrics_jobs(found: list[_Found]) -> list[InputGroup]:
 
 
 def _partition_method(trial_dir: Path) -> str | None:
-    """The built-in workload's partition method from trial.json; None where it says nothing."""
+    """The partition method of a trial: the built-in workload's from trial.json, a user script's
+    from what its PipelineModule was built with (the hook's engine marker); None where neither says."""
     try:
         spec = json.loads((trial_dir / "trial.json").read_text(encoding="utf-8"))
         method = spec["workload"]["partition_method"]
     except (OSError, ValueError, KeyError, TypeError):
-        return None
+        try:
+            method = json.loads((trial_dir / "engine-rank0.json").read_text(encoding="utf-8"))["partition_method"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
     return method if isinstance(method, str) else None
 
 

@@ -23,7 +23,9 @@ from autotune.study import STATUS_FAILED, STATUS_OK
 WIDTH, HEIGHT, DPI = 5.6, 3.4, 130
 SOURCE_COLORS = ["#4c72b0", "#dd8452", "#55a868", "#8172b3", "#937860", "#da8bc3", "#8c8c8c",
                  "#ccb974", "#64b5cd"]
-SPLIT = (("compute", "compute", "#4c72b0"), ("communication", "communication", "#dd8452"),
+# Transfer and waiting apart (schema 2, autotune/p2p_split.py): a send that waits for a slow
+# peer is drawn as waiting, not as communication.
+SPLIT = (("compute", "compute", "#4c72b0"), ("communication", "transfer (p2p, reductions)", "#dd8452"),
          ("waiting", "waiting for peers", "#c44e52"), ("data", "data loading", "#55a868"),
          ("other", "other (host)", "#b0b0b0"))
 FAILED_COLOR = "#c44e52"

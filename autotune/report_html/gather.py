@@ -109,6 +109,8 @@ class StudyReport:
     """Unified diff of the best trial's ds_config.json against the baseline's."""
     missing: list[str] = field(default_factory=list)
     """What the page cannot show, in words."""
+    user_command: dict[str, Any] = field(default_factory=dict)
+    """The user's command and what its start-up check read (autotune/usercmd/job.py); empty: built-in."""
 
     @property
     def ok(self) -> list[TrialRow]:
@@ -216,11 +218,13 @@ def gather_study(study: Study) -> StudyReport:
         if t.status == STATUS_OK and t.samples_per_second and t.number not in stale:
             measurements.setdefault(t.config.key(), []).append(t.samples_per_second)
     space = _meta(study, "space")
+    from autotune.usercmd.job import META_KEY
+
     report = StudyReport(
         root=study.root, settings=_meta(study, "settings"), space=space,
         workload=_meta(study, "workload"), trials=trials, counted=counted, baseline=baseline,
         best=best, measurements=measurements, knobs=_knobs(trials, space), steps={},
-        findings=[], config_diff=[],
+        findings=[], config_diff=[], user_command=_meta(study, META_KEY),
     )
     _explain_missing(report)
     wanted = [t for t in (baseline, best) if t is not None and t.status == STATUS_OK]

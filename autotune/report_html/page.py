@@ -203,11 +203,11 @@ def _facts(r: StudyReport) -> str:
     knobs = ", ".join(KNOB_LABELS.get(k, k) for k in r.knobs) or "nothing yet"
     rows.append(("Tuned", knobs + (f": {space['description']}" if space.get("description") else "")))
     if wl:
-        ranks = wl.get("pipeline_stages", 0) * wl.get("data_parallel_size", 0)
         device = next((rk.device for d in r.steps.values() for rk in d.ranks if rk.device), "")
-        rows.append(("On", f"workload {wl.get('preset', '?')}, {wl.get('pipeline_stages')} pipeline stages x "
-                           f"{wl.get('data_parallel_size')} data-parallel = {ranks} ranks"
-                           + (f", device {device}" if device else "")
+        from autotune.usercmd.job import describe_job
+
+        on = [describe_job(r.user_command, wl), f"device {device}" if device else ""]  # command or preset
+        rows.append(("On", ", ".join(p for p in on if p)
                            + f"; {wl.get('steps')} measured + {wl.get('warmup_steps')} warm-up steps per trial"))
     if settings:
         rows.append(("Proposer", f"{settings.get('tuner', '?')} (seed {settings.get('seed', '?')}), starting config "

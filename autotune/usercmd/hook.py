@@ -129,10 +129,12 @@ class _DeepSpeedFinder(importlib.abc.MetaPathFinder):
 
 
 def _patch(deepspeed: Any, state: _RankState) -> None:
-    if state.settings.parts is not None:  # before the script builds its PipelineModule
-        from autotune.pipeline_parts import force
+    from autotune.pipeline_parts import force, install
 
+    if state.settings.parts is not None:  # before the script builds its PipelineModule
         force(state.settings.parts)
+    else:
+        install()  # DeepSpeed's own methods unchanged; the method the script passed is recorded
     original = getattr(deepspeed, "initialize", None)
     if original is None or getattr(original, "_autotune_wrapped", False):
         return
@@ -194,6 +196,8 @@ class _RankState:
             "gradient_accumulation_steps": int(engine.gradient_accumulation_steps()),
             "parameters": int(sum(p.numel() for p in engine.module.parameters())),
             "parts": [int(x) for x in getattr(engine.module, "parts", [])],  # the layers each stage got
+            "layers": layer_classes(engine.module),  # what a type:REGEX partition method matches
+            "partition_method": getattr(engine.module, "_autotune_partition_method", None),
         })
         if self.settings.mode == MODE_PROBE:
             self.stop()
@@ -270,6 +274,22 @@ class _RankState:
             return
         self.close_sinks()
         self.write_marker("exit", {"train_batch_calls": self.calls})
+
+
+def layer_classes(module: Any) -> list[str]:
+    """The class of each layer of a PipelineModule (all stages'), as DeepSpeed 0.19.8's `type:`
+    method reads it (`_find_layer_type`): a LayerSpec's typename, a module's class, a function's
+    name ("function" where it has none, as the layer-costs file names it)."""
+    out = []
+    for spec in getattr(module, "_layer_specs", None) or []:
+        typename = getattr(spec, "typename", None)
+        if isinstance(typename, type):
+            out.append(typename.__name__)
+        elif hasattr(spec, "register_forward_hook"):
+            out.append(type(spec).__name__)
+        else:
+            out.append(str(getattr(spec, "__name__", "function")))
+    return out
 
 
 def _flush_std() -> None:

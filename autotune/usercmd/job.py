@@ -13,14 +13,16 @@ Why a separate start-up rather than learning the shape from trial 0: the space
 cannot be tuned at all (no PipelineEngine, a crash at import) is then one
 clear error before a study is created or changed.
 
-The command, its folder and the measured parameter count are stored in the
-study (meta key `user_command`), so a resume runs the same command without
-the probe.
+The command, its folder and what the probe read (parameter count, stages,
+data-parallel size, micro-batch and GAS) are stored in the study (meta key
+`user_command`), so a resume runs the same command without the probe, and
+`describe_job` names the job in the run's header and every report.
 """
 
 from __future__ import annotations
 
 import json
+import shlex
 import shutil
 import sqlite3
 from collections.abc import Callable
@@ -36,6 +38,8 @@ from autotune.usercmd.command import UserCommand, check_launcher_installed, pars
 from autotune.usercmd.runner import PROBE_TIMEOUT, UserCommandRunner, probe_shape
 
 META_KEY = "user_command"
+COMMAND_SHOWN = 160
+"""Characters of the command the run's header and the reports show; a longer one is cut after a word."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -47,6 +51,11 @@ class UserJob:
     """The folder the command runs in (relative paths in it are the user's)."""
     parameters: int
     """The model's parameters (each stage once), measured by the shape probe."""
+    pipeline_stages: int | None = None
+    data_parallel_size: int | None = None
+    micro_batch_size: int | None = None
+    gradient_accumulation_steps: int | None = None
+    """What the start-up check read from the engine (None: a study stored before these fields)."""
 
     def command(self) -> UserCommand:
         return parse_command(self.argv, cwd=Path(self.cwd))
@@ -146,7 +155,56 @@ def prepare_user_job(opts: Any, argv: list[str], note: Callable[[str], None]) ->
     opts.config = str(config)
     opts.workload.pipeline_stages = shape.stages
     opts.workload.data_parallel_size = shape.data_parallel_size
-    return UserJob(argv=list(argv), cwd=str(cwd), parameters=shape.parameters)
+    return UserJob(argv=list(argv), cwd=str(cwd), parameters=shape.parameters, pipeline_stages=shape.stages,
+                   data_parallel_size=shape.data_parallel_size, micro_batch_size=shape.micro_batch_size,
+                   gradient_accumulation_steps=shape.gradient_accumulation_steps)
+
+
+def short_command(argv: list[str], limit: int = COMMAND_SHOWN) -> str:
+    """The command as typed (shell-quoted where a word needs it); past `limit` characters cut after a
+    word, with how many arguments were left out. The first word is always shown."""
+    words = [shlex.quote(str(w)) for w in argv]
+    text = " ".join(words)
+    if len(text) <= limit:
+        return text
+    kept: list[str] = []
+    for word in words:
+        if kept and len(" ".join([*kept, word])) > limit - 24:  # room for " ... (NN more arguments)"
+            break
+        kept.append(word)
+    left = len(words) - len(kept)
+    if not left:  # one long word
+        return text
+    return " ".join(kept) + f" ... ({left} more argument{'' if left == 1 else 's'})"
+
+
+def describe_job(user_command: dict[str, Any] | None, workload: dict[str, Any] | None,
+                 quote: Callable[[str], str] = str) -> str:
+    """What a study ran, in words: the user's command and what its start-up check read, or the
+    built-in workload's preset; for the run's header, summary.json, report.md and report.html.
+
+    `user_command` is the study's stored meta (`META_KEY`), `workload` its workload options. A
+    study stored before a field says what it has (stages and dp are then the workload's, which
+    the check set); `quote` marks the command (report.md: as code).
+    """
+    wl = workload or {}
+    uc = user_command or {}
+    stages = uc.get("pipeline_stages") or wl.get("pipeline_stages")
+    dp = uc.get("data_parallel_size") or wl.get("data_parallel_size")
+    layout = (f"{stages} pipeline stages x {dp} data-parallel = {stages * dp} ranks"
+              if isinstance(stages, int) and isinstance(dp, int) else "")
+    if not uc.get("argv"):
+        return ", ".join(p for p in (f"workload {wl['preset']}" if wl.get("preset") else "", layout) if p)
+    facts = []
+    if isinstance(uc.get("parameters"), int):
+        facts.append(f"{uc['parameters']:,} parameters")
+    facts.append(layout)
+    micro, gas = uc.get("micro_batch_size"), uc.get("gradient_accumulation_steps")
+    if micro and gas:
+        facts.append(f"micro-batch {micro} x GAS {gas} in its config")
+    facts = [f for f in facts if f]
+    checked = f" (start-up check: {', '.join(facts)})" if facts else ""
+    return f"the command {quote(short_command(uc['argv']))}{checked}"
 
 
 def with_autotune_launcher_options(cmd: UserCommand, opts: Any) -> UserCommand:

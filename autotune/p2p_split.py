@@ -1,0 +1,58 @@
+"""A point-to-point instruction's time, split into the transfer and the wait for the peer.
+
+A pipeline send or receive blocks until its peer is there: gloo's send returns once the
+receiver has taken the message, and a receive returns once the sender has sent it (on a
+GPU, NCCL pairs them the same way). So each instance of SendActivation, SendGrad,
+RecvActivation and RecvGrad lasts (waiting for the peer) + (the transfer). Counting all
+of it as communication made a job that was merely unbalanced read as "chatty": the fast
+stage's sends lasted as long as the slow stage's extra compute (issue 24).
+
+The transfer of one kind of instruction is the same every micro-batch (the same tensor
+shapes over the same link), and whichever rank of a matched send/receive pair arrives
+second does not wait. So per kind, the fastest instance a rank has run in the trial is
+its transfer; each instance's time beyond it is waiting. Where a rank waits in every
+instance (the faster stage of a lock-step pair) its own fastest instance still holds
+some wait: the controller's summary then takes, per link, the fastest instance of
+either end (`p2p_fastest_seconds` in the CSV), which the slower stage measures without
+waiting (autotune/summary.py). benchmarks/p2p_split_truth.py checks both against an
+injected truth (docs/metrics.md).
+
+Rank-side: no torch.
+"""
+
+from __future__ import annotations
+
+import math
+
+P2P_INSTRUCTIONS = ("SendActivation", "SendGrad", "RecvActivation", "RecvGrad")
+"""DeepSpeed's point-to-point instructions (deepspeed/runtime/pipe/schedule.py)."""
+P2P_PREFIX = "p2p:"
+"""Timer category of each: `p2p:SendActivation`, ... (one kind, one transfer size)."""
+
+
+def p2p_category(instruction: str) -> str:
+    return P2P_PREFIX + instruction
+
+
+class TransferSplit:
+    """One rank's estimate, kept over its trial: per kind, the fastest instance seen."""
+
+    def __init__(self) -> None:
+        self.fastest: dict[str, float] = {}
+
+    def split(self, intervals: dict[str, list[float]]) -> tuple[float, float]:
+        """(transfer, wait) seconds of one step's point-to-point instances."""
+        transfer = wait = 0.0
+        for kind, seconds in intervals.items():
+            if not kind.startswith(P2P_PREFIX) or not seconds:
+                continue
+            fastest = min(self.fastest.get(kind, math.inf), min(seconds))
+            self.fastest[kind] = fastest
+            moved = fastest * len(seconds)
+            transfer += moved
+            wait += max(0.0, sum(seconds) - moved)
+        return transfer, wait
+
+    def fastest_seconds(self) -> float | None:
+        """The fastest instance of any kind so far (the CSV's `p2p_fastest_seconds`); None: none yet."""
+        return min(self.fastest.values()) if self.fastest else None
