@@ -132,9 +132,15 @@ def resolve_cluster(opts: LauncherOptions, world_size: int | None, *, check_host
     hosts = _apply_filters(pool, opts)
     cluster = Cluster(hosts=hosts, options=opts)
     if world_size is not None and cluster.world_size != world_size:
-        raise UserError(f"the hostfile{' and filters' if opts.include or opts.exclude or opts.num_nodes else ''} "
-                        f"give {cluster.world_size} slots ({cluster.describe()}); the run needs "
+        raise UserError(f"the hostfile{' and filters give' if opts.include or opts.exclude or opts.num_nodes else ' gives'} "
+                        f"{cluster.world_size} slots ({cluster.describe()}); the run needs "
                         f"stages x dp = {world_size}: change --stages/--dp or the slots")
+    if not cluster.multi_node and opts.hostfile is not None:
+        (host,) = hosts
+        if not is_this_machine(host):
+            raise UserError(f"--hostfile {opts.hostfile} names one host, {host}, and it is not this machine "
+                            f"({_where(host)}): DeepSpeed runs a one-host hostfile here, so every trial would "
+                            f"run on this machine; start autotune on {host}, or list this machine too")
     if cluster.multi_node:
         binary = LAUNCHER_BINARIES[opts.launcher]
         if shutil.which(binary) is None:
@@ -144,6 +150,39 @@ def resolve_cluster(opts: LauncherOptions, world_size: int | None, *, check_host
             for host in hosts:
                 _check_ssh(host, opts.ssh_port)
     return cluster
+
+
+def is_this_machine(host: str) -> bool:
+    """Whether `host` names this machine: localhost, its own name, or an address that resolves to
+    a loopback address or to one of this machine's name's addresses."""
+    import ipaddress
+    import socket
+
+    name = socket.gethostname()
+    if host in ("localhost", name, socket.getfqdn()):
+        return True
+    own = set(_addresses(name))
+    for address in _addresses(host):
+        try:
+            if ipaddress.ip_address(address.split("%", 1)[0]).is_loopback or address in own:
+                return True
+        except ValueError:
+            continue
+    return False
+
+
+def _addresses(host: str) -> list[str]:
+    import socket
+
+    try:
+        return [str(info[4][0]) for info in socket.getaddrinfo(host, None)]
+    except (OSError, UnicodeError):
+        return []
+
+
+def _where(host: str) -> str:
+    found = _addresses(host)
+    return f"it resolves to {', '.join(dict.fromkeys(found))}" if found else "it does not resolve"
 
 
 _DEBIAN_PACKAGE = {"pdsh": "pdsh", "openmpi": "openmpi-bin", "mpich": "mpich", "slurm": "slurm-client"}

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -25,6 +26,7 @@ from autotune.multinode import (
     ENV_FILE_NAME,
     LauncherOptions,
     cluster_args,
+    is_this_machine,
     launch_path,
     node_env,
     resolve_cluster,
@@ -90,7 +92,7 @@ def test_missing_and_unreadable_hostfile(tmp_path):
 
 def test_slots_must_match_stages_times_dp(tmp_path):
     hf = _hostfile(tmp_path, "localhost slots=6\n")
-    with pytest.raises(UserError, match=r"give 6 slots \(localhost:6\); the run needs stages x dp = 4"):
+    with pytest.raises(UserError, match=r"the hostfile gives 6 slots \(localhost:6\); the run needs stages x dp = 4"):
         resolve_cluster(LauncherOptions(hostfile=hf), 4)
     # DeepSpeed's own filters count: --include picks 4 of the 6
     cluster = resolve_cluster(LauncherOptions(hostfile=hf, include="localhost:0,1,2,3"), 4)
@@ -151,6 +153,21 @@ def test_every_node_gets_the_launchs_path_unless_the_users_file_sets_one(tmp_pat
     assert [ln for ln in (trial / ENV_FILE_NAME).read_text().splitlines() if ln.startswith("PATH=")] == \
         ["PATH=/their/bin:/usr/bin"]
     assert launch_path("/my dir/bin:/usr/bin") == {}  # DeepSpeed exports it unquoted: a shell would split it
+
+
+@pytest.mark.parametrize("host,why", [("bogus-host-that-does-not-exist", "it does not resolve"),
+                                     ("192.0.2.7", "it resolves to 192.0.2.7")])  # TEST-NET-1: never this machine
+def test_a_one_host_hostfile_naming_another_machine_is_refused_not_run_here(tmp_path, host, why):
+    """Issue 25: DeepSpeed runs a one-host hostfile locally, so such a run tuned the login node."""
+    hf = _hostfile(tmp_path, f"{host} slots=4\n")  # the default 2 stages x 2 dp
+    r = subprocess.run([sys.executable, "-m", "autotune", "run", "--budget", "2", "--study", "st", "--hostfile", hf],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stdout + r.stderr
+    (line,) = r.stderr.strip().splitlines()
+    assert f"names one host, {host}, and it is not this machine ({why})" in line
+    assert not (tmp_path / "st").exists()
+    for local in ("localhost", "127.0.0.1", socket.gethostname()):
+        assert is_this_machine(local)
 
 
 def test_cli_refuses_a_bad_hostfile_before_any_study(tmp_path):
