@@ -66,7 +66,7 @@ def synthetic_records(
     for rank in range(stages * dp):
         stage = rank % stages
         compute = 0.10 * (1 + stage)
-        comm, wait = 0.02, 0.15 + 0.05 * (stages - 1 - stage)
+        comm, wait = 0.04, 0.15 + 0.05 * (stages - 1 - stage)  # transfer only: 0.4 of stage 0's compute
         step_s = compute + comm + wait + 0.01
         util = 0.5 + 0.35 * math.sin(step + rank + seed)
         sps = micro * gas * dp / step_s
