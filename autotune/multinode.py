@@ -149,7 +149,25 @@ def resolve_cluster(opts: LauncherOptions, world_size: int | None, *, check_host
         if check_hosts and opts.launcher == "pdsh":
             for host in hosts:
                 _check_ssh(host, opts.ssh_port)
+        if opts.launcher == "slurm":
+            check_slurm_allocation(cluster.world_size, os.environ)
     return cluster
+
+
+def check_slurm_allocation(world_size: int, env: dict[str, str] | os._Environ[str]) -> None:
+    """DeepSpeed's slurm runner starts every trial's ranks with `srun -n WORLD` (multinode_runner.py
+    SlurmRunner), which needs an allocation holding that many tasks: outside one, or in one with
+    fewer tasks, each trial would fail the same way. Only the counts Slurm sets are compared
+    (SLURM_NTASKS: the allocation was asked for tasks, `salloc -n`)."""
+    job = env.get("SLURM_JOB_ID")
+    if not job:
+        raise UserError("--launcher slurm starts the ranks with srun inside an allocation, and this is "
+                        f"not one (no SLURM_JOB_ID): start autotune inside `salloc -n {world_size} ...` or "
+                        "an sbatch script (docs/multi-node.md)")
+    tasks = env.get("SLURM_NTASKS") or env.get("SLURM_NPROCS") or ""
+    if tasks.isdigit() and int(tasks) < world_size:
+        raise UserError(f"Slurm allocation {job} holds {tasks} tasks; every trial needs stages x dp = "
+                        f"{world_size} (srun -n {world_size}): allocate at least that many")
 
 
 def is_this_machine(host: str) -> bool:

@@ -170,6 +170,30 @@ def test_a_one_host_hostfile_naming_another_machine_is_refused_not_run_here(tmp_
         assert is_this_machine(local)
 
 
+def test_slurm_needs_an_allocation_with_enough_tasks(tmp_path, monkeypatch):
+    """DeepSpeed's slurm runner runs `srun -n WORLD` for every trial: checked once, before any."""
+    import autotune.multinode as mn
+
+    hf = _hostfile(tmp_path, "node-a slots=2\nnode-b slots=2\n")
+    real_which = mn.shutil.which
+    monkeypatch.setattr(mn.shutil, "which", lambda b: "/usr/bin/sinfo" if b == "sinfo" else real_which(b))
+    for name in ("SLURM_JOB_ID", "SLURM_NTASKS", "SLURM_NPROCS"):
+        monkeypatch.delenv(name, raising=False)
+    opts = LauncherOptions(hostfile=hf, launcher="slurm")
+    with pytest.raises(UserError, match=r"inside an allocation, and this is not one \(no SLURM_JOB_ID\).*salloc -n 4"):
+        resolve_cluster(opts, 4)
+    monkeypatch.setenv("SLURM_JOB_ID", "42")
+    monkeypatch.setenv("SLURM_NTASKS", "2")
+    with pytest.raises(UserError, match=r"Slurm allocation 42 holds 2 tasks; every trial needs stages x dp = 4"):
+        resolve_cluster(opts, 4)
+    monkeypatch.setenv("SLURM_NTASKS", "8")
+    cluster = resolve_cluster(opts, 4)
+    assert cluster is not None and cluster.multi_node and cluster.world_size == 4
+    monkeypatch.setattr(mn.shutil, "which", lambda b: None)
+    with pytest.raises(UserError, match=r"apt-get install slurm-client"):
+        resolve_cluster(opts, 4)
+
+
 def test_cli_refuses_a_bad_hostfile_before_any_study(tmp_path):
     r = subprocess.run([sys.executable, "-m", "autotune", "run", "--budget", "1", "--study", "st",
                         "--hostfile", "missing-hostfile"], cwd=tmp_path, capture_output=True, text=True)
