@@ -8,6 +8,7 @@ behind. No shell is involved: the command line is a list of validated values.
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -50,10 +51,44 @@ class LaunchOutcome:
     """Set when the launcher itself could not be started."""
 
 
+MASTER_PORT_FLOOR = 20000
+"""Master ports are drawn from here up to just below the kernel's ephemeral range."""
+
+
 def free_port() -> int:
+    """A port for a trial's torch.distributed master that nothing listens on now.
+
+    Drawn below the kernel's ephemeral range (Linux: 32768-60999): the ranks' own outgoing
+    connections (gloo opens several per peer) take their ports from that range, so a port seen
+    free there could be taken by one before the master's TCPStore listened on it (seen: a
+    start-up check failed with EADDRINUSE on port 33625 beside another test suite)."""
+    low, high = MASTER_PORT_FLOOR, _ephemeral_low() - 1
+    if high > low:
+        draw = random.SystemRandom()
+        for _ in range(64):
+            port = draw.randint(low, high)
+            if _bindable(port):
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
+def _bindable(port: int) -> bool:
+    """Whether `port` can be listened on, on every interface (the master's store listens there)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("", port))
+        except OSError:
+            return False
+    return True
 
 
 GPU_DEVICE_NODES = ("/dev/nvidia0", "/dev/nvidiactl", "/dev/kfd", "/dev/dxg")

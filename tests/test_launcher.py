@@ -18,3 +18,23 @@ def test_command_is_an_argument_list_through_deepspeeds_launcher(tmp_path):
     assert cmd[1:3] == ["-m", "deepspeed.launcher.runner"]
     assert cmd[cmd.index("--num_gpus") + 1] == "4" and cmd[cmd.index("--master_port") + 1] == "29500"
     assert "--no_local_rank" in cmd and cmd[-2:] == ["--steps", "3"]
+
+
+def test_master_ports_come_from_below_the_ephemeral_range_and_are_free(monkeypatch):
+    """The ranks' outgoing connections take ephemeral ports: a master port drawn from there was
+    taken between the draw and the store's listen (EADDRINUSE beside another suite)."""
+    import socket
+
+    import autotune.launcher as launcher
+
+    low = launcher._ephemeral_low()
+    ports = {launcher.free_port() for _ in range(20)}
+    assert all(launcher.MASTER_PORT_FLOOR <= p < low for p in ports) and len(ports) > 1
+    with socket.socket() as taken:
+        taken.bind(("", 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        draws = iter([busy, busy, 25001])
+        monkeypatch.setattr(launcher.random.SystemRandom, "randint", lambda self, a, b: next(draws))
+        monkeypatch.setattr(launcher, "_ephemeral_low", lambda: 65000)
+        assert launcher.free_port() == 25001  # the port in use is passed over
