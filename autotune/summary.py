@@ -251,6 +251,16 @@ def summarize_trial(records: Sequence[StepRecord]) -> TrialSummary | None:
     return out[0] if out else None
 
 
+def _schema(m: Columns) -> int:
+    """The oldest SCHEMA_VERSION among the rows; a row without one (an empty cell, or no such
+    column) was written with 1."""
+    v = m.get("schema_version")
+    if v is None or not v.size:
+        return 1
+    v = np.where(np.isfinite(v), v, 1.0)
+    return int(max(1.0, float(v.min())))
+
+
 def _seq_length(m: Columns) -> int | None:
     """The trial's tokens per sample: the largest recorded seq_length, None when none is above 0.
 
@@ -380,8 +390,7 @@ def _summarize_trial(c: Columns, source: str) -> TrialSummary | None:
         peer_wait_fraction=max(r.wait_fraction for r in rank_rows) if rank_rows else None,
         imbalance_idle_fraction=float(np.mean([max(stage_means) - c for c in stage_means]) / np.median(step_secs))
         if stage_means and np.median(step_secs) > 0 else None,
-        metrics_schema=int(np.min(m["schema_version"])) if "schema_version" in m and not np.isnan(
-            m["schema_version"]).all() else 1,
+        metrics_schema=_schema(m),
         bubble_fraction_measured=float(np.mean([r.bubble_fraction for r in rank_rows])),
         bubble_fraction_ideal=ideal,
         stage_compute_imbalance=imbalance, slowest_stage=slowest, stage_compute_seconds=stage_means,
