@@ -123,3 +123,11 @@ def test_roundtrip_dict():
     again = TrialSummary.from_dict(s.to_dict())
     assert again == s
     assert not math.isnan(again.samples_per_second)
+
+
+def test_rows_without_a_schema_version_count_as_schema_1():
+    """A cell left empty (a CSV edited by hand, or rows of two versions in one file) is an old row;
+    the fuzz benchmark found the summary raising on it (int of NaN)."""
+    rows = [rec(rank=r, stage=r, step=s, schema_version=None if s == 1 else 2) for r in (0, 1) for s in (1, 2)]
+    assert summarize_trial(rows).metrics_schema == 1
+    assert summarize_trial([rec(rank=r, stage=r, step=1) for r in (0, 1)]).metrics_schema == 2
