@@ -10,6 +10,7 @@ what to run to learn them, never a placeholder.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -123,17 +124,16 @@ def measured_parts(s: SignalSet) -> Change | None:
     No memory limit applies here (advise does not know the device's size): `autotune run`
     checks the parts against memory when it tries them.
     """
-    files = layer_cost_files(s)
-    if not files:
+    lc = _layers(s)[0]
+    if lc is None:
         return None
+    files = layer_cost_files(s)
     from autotune.errors import InputFileError, UserError
-    from autotune.layer_costs import read_layer_costs
     from autotune.partition import balanced_parts, describe_moves, imbalance, stage_times
 
     try:
-        lc = read_layer_costs(files)
         new = balanced_parts(lc.costs, lc.stages, stage_fixed=lc.stage_fixed_seconds)
-    except (UserError, OSError, ValueError, KeyError) as exc:
+    except (UserError, ValueError) as exc:
         raise InputFileError(f"layer costs beside the metrics ({files[0].parent}): {exc}; "
                              "move them away to advise without them") from None
     if new == lc.parts:
@@ -152,14 +152,28 @@ def measured_parts(s: SignalSet) -> Change | None:
 
 def _layers(s: SignalSet) -> tuple[Any, list[str] | None]:
     """(the layer costs beside the metrics or None, the layers' classes or None): the costs name
-    the classes too; without them the bootstrap's engine markers may (a user's command)."""
-    files = layer_cost_files(s)
-    if files:
-        return _read_costs(files), None
+    the classes too; without them the bootstrap's engine markers may (a user's command). Read
+    once per set of files: every partition move of every finding asks."""
+    folders = dict.fromkeys(Path(p).parent for p in s.sources)
+    files = sorted(f for d in folders for f in (*d.glob(LAYER_COST_GLOB), *d.glob(ENGINE_MARKER_GLOB)))
+    return _read_layers(tuple((str(f), _mtime(f)) for f in files))
+
+
+def _mtime(path: Path) -> int:
+    try:
+        return path.stat().st_mtime_ns
+    except OSError:
+        return -1
+
+
+@functools.lru_cache(maxsize=16)
+def _read_layers(files: tuple[tuple[str, int], ...]) -> tuple[Any, list[str] | None]:
+    costs = [Path(f) for f, _ in files if Path(f).match(LAYER_COST_GLOB)]
+    if costs:
+        return _read_costs(costs), None
     import json
 
-    folders = dict.fromkeys(Path(p).parent for p in s.sources)
-    for f in sorted(f for d in folders for f in d.glob(ENGINE_MARKER_GLOB)):
+    for f in (Path(f) for f, _ in files if Path(f).match(ENGINE_MARKER_GLOB)):
         try:
             layers = json.loads(f.read_text(encoding="utf-8")).get("layers")
         except (OSError, ValueError, AttributeError):
@@ -218,21 +232,7 @@ def _no_gain(lc: Any, best: list[int], lead: str) -> str | None:
 
 def type_note(s: SignalSet) -> str:
     """What a `type:REGEX` method would do for this job, from what the input knows of its layers."""
-    from autotune.partition import imbalance, stage_times
-
-    lc, names = _layers(s)
-    if lc is not None:
-        best, typed, good = _typed(lc)
-        stuck = _no_gain(lc, best, "no other partition helps")
-        if stuck:
-            return stuck
-        if typed is not None and good:
-            pred = imbalance(stage_times(lc.costs, typed[1], lc.stage_fixed_seconds))
-            return (f"or partition_method='{typed[0]}' over the model's own layer classes: it builds "
-                    f"{typed[1]}, predicted imbalance {pred:.2f} (from the measured layer costs)")
-        return (f"no type: regex over the model's layer classes ({_classes(lc.names)}) balances it: "
-                f"the measured layer costs balance as parts {best} (PARTS in the PipelineModule subclass of "
-                "docs/partition.md)")
+    names = _layers(s)[1]  # with layer costs, other_partition_method names the partition itself
     if names is not None:
         return (f"type:REGEX balances the count of layers of the classes it finds (this model's: "
                 f"{_classes(names)}); which regex balances the work needs the layers' costs: "
