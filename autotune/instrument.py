@@ -169,7 +169,6 @@ class PipelineProbe:
         stages = int(eng.num_stages)
         optimizer = parts.get(OPTIMIZER, 0.0)
         compute = parts.get(COMPUTE, 0.0) + optimizer
-        p2p = sum(parts.get(c, 0.0) for c in P2P_CATEGORIES)
         transfer, wait = self.transfers.split(self.timer.intervals())
         work = parts.get(COMPUTE + CPU_SUFFIX)  # CPU only: the forward/backward work in thread CPU time
         samples_per_second = micro * gas * dp / step_seconds if step_seconds > 0 else 0.0
@@ -204,7 +203,7 @@ class PipelineProbe:
             device=str(eng.device) if hasattr(eng, "device") else "cpu", host=self.host,
             optimizer_seconds=optimizer, utilization_from_device=int(from_device),
             compute_cpu_seconds=work, memory_capacity_bytes=mem.get("capacity_bytes"),
-            p2p_seconds=p2p, p2p_fastest_seconds=self.transfers.fastest_seconds(),
+            p2p_seconds=transfer + wait, p2p_fastest_seconds=self.transfers.fastest_seconds(),
         )
 
 

@@ -359,7 +359,6 @@ def _summarize_trial(c: Columns, source: str) -> TrialSummary | None:
     losses = m["loss"][np.argsort(m["step"], kind="stable")] if "loss" in m else np.empty(0)
     losses = losses[~np.isnan(losses)]
     ratios = [r.comm_compute_ratio for r in rank_rows if r.comm_compute_ratio is not None]
-    transfer = [float(comm[k] / comp[k]) for k in range(len(ranks)) if comp[k] > 0]
     flucts = [r.device_utilization_fluctuation for r in rank_rows if r.device_utilization_fluctuation is not None]
     means = np.array([r.device_utilization_mean for r in rank_rows])
     mean_step = float(np.mean(step_secs))
@@ -368,6 +367,7 @@ def _summarize_trial(c: Columns, source: str) -> TrialSummary | None:
     except ValueError as exc:
         raise InputFileError(f"{source}: trial {int(first['trial'])}: {exc}") from None
     median_sps = float(np.median(sps))
+    median_step = float(np.median(step_secs))
     bucket = first.get("reduce_bucket_size", math.nan)
     iv = median_interval(step_secs.tolist())  # the ranks' rule, on the same slowest-rank step times
     return TrialSummary(
@@ -379,17 +379,17 @@ def _summarize_trial(c: Columns, source: str) -> TrialSummary | None:
         samples_per_second_p10=float(np.quantile(sps, 0.1)),
         samples_per_second_p90=float(np.quantile(sps, 0.9)),
         tokens_per_second=median_sps * seq if (seq := _seq_length(m)) else None,
-        step_seconds=float(np.median(step_secs)),
+        step_seconds=median_step,
         step_time_jitter=float(np.std(step_secs) / mean_step) if step_secs.size > 1 and mean_step > 0 else 0.0,
         device_utilization_mean=float(np.mean(means)),
         device_utilization_fluctuation=max(flucts) if flucts else None,
         cross_device_fluctuation=float(np.std(means)) if len(rank_rows) > 1 else None,
         comm_compute_ratio=max(ratios) if ratios else None,
         comm_compute_ratio_mean=float(np.mean(ratios)) if ratios else None,
-        transfer_compute_ratio=max(transfer) if transfer else None,
+        transfer_compute_ratio=max(ratios) if ratios else None,  # the same since schema 2
         peer_wait_fraction=max(r.wait_fraction for r in rank_rows) if rank_rows else None,
-        imbalance_idle_fraction=float(np.mean([max(stage_means) - c for c in stage_means]) / np.median(step_secs))
-        if stage_means and np.median(step_secs) > 0 else None,
+        imbalance_idle_fraction=float(np.mean([max(stage_means) - c for c in stage_means]) / median_step)
+        if median_step > 0 else None,
         metrics_schema=_schema(m),
         bubble_fraction_measured=float(np.mean([r.bubble_fraction for r in rank_rows])),
         bubble_fraction_ideal=ideal,
