@@ -277,19 +277,26 @@ def launch_path(path: str) -> dict[str, str]:
     return {"PATH": path} if path and not set(path) & set(" \t\n'\"$`\\;&|<>(){}*?!#~") else {}
 
 
-def rank_env() -> dict[str, str]:
+def rank_env(*, own_tools: bool = True) -> dict[str, str]:
     """What every node's ranks need from the controller's environment: DS_ACCELERATOR only when
     the user set it (a login node without GPUs must not make GPU nodes run on CPU), autotune's
-    own AUTOTUNE_* settings, and one torch thread per rank unless the user chose otherwise."""
+    own AUTOTUNE_* settings, one torch thread per rank unless the user chose otherwise, and the
+    PATH the launch runs with (`own_tools`: this environment's bin first, as the local ranks
+    autotune starts get it, launcher.TrialProcess.launch_env; a user's command keeps its own)."""
+    from autotune.launcher import with_own_tools
+
     env = {k: v for k, v in os.environ.items() if k.startswith("AUTOTUNE_") or k == "DS_ACCELERATOR"}
     env.setdefault("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))
+    path = os.environ.get("PATH", "")
+    env.update(launch_path(with_own_tools(path) if own_tools else path))
     return env
 
 
-def node_env(trial_dir: Path, extra: dict[str, str] | None = None, *, cwd: Path | None = None) -> dict[str, str]:
+def node_env(trial_dir: Path, extra: dict[str, str] | None = None, *, cwd: Path | None = None,
+             own_tools: bool = True) -> dict[str, str]:
     """Write the trial's env file; returns the launcher-side variable that points DeepSpeed at it."""
     path = trial_dir / ENV_FILE_NAME
-    lines = node_env_lines({**rank_env(), **(extra or {})}, cwd=cwd)
+    lines = node_env_lines({**rank_env(own_tools=own_tools), **(extra or {})}, cwd=cwd)
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     return {"DS_ENV_FILE": str(path)}  # absolute: os.path.join(home, abs) is abs in DeepSpeed's runner
 

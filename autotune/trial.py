@@ -5,7 +5,6 @@ that stay alive between trials (autotune/workers.py), hand the ending to autotun
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -13,8 +12,8 @@ from pathlib import Path
 from autotune.dsconfig import DsConfig
 from autotune.faults import CONTROLLER_FAULTS, RANK_FAULTS
 from autotune.judge import TrialOutcome, failed, judge
-from autotune.launcher import LaunchOutcome, LaunchSpec, TrialProcess, with_own_tools
-from autotune.multinode import Cluster, cluster_args, launch_path, node_env, stop_on_nodes
+from autotune.launcher import LaunchOutcome, LaunchSpec, TrialProcess
+from autotune.multinode import Cluster, cluster_args, node_env, stop_on_nodes
 from autotune.options import WorkloadOptions
 from autotune.space import TrialConfig
 from autotune.step_budget import RECORD_NAME as STEP_RECORD
@@ -98,7 +97,7 @@ class TrialRunner:
         spec.cluster_args = self._cluster_args
         multi_node = self.cluster is not None and self.cluster.multi_node
         if multi_node:  # the other nodes' ranks get their environment through DeepSpeed's env file
-            spec.env.update(node_env(trial_dir, launch_path(with_own_tools(os.environ.get("PATH", "")))))
+            spec.env.update(node_env(trial_dir))
         if fault == "nolauncher":
             spec.launcher = [str(trial_dir / "no-such-launcher")]
         elif fault == "noscript":

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -144,14 +145,20 @@ def test_node_env_file_keeps_the_users_own_lines(tmp_path, monkeypatch):
 
 def test_every_node_gets_the_launchs_path_unless_the_users_file_sets_one(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PATH", "/venv/bin:/usr/bin")
     trial = tmp_path / "trial-000"
     trial.mkdir()
-    node_env(trial, launch_path("/venv/bin:/usr/bin"), cwd=tmp_path)
-    assert "PATH=/venv/bin:/usr/bin" in (trial / ENV_FILE_NAME).read_text().splitlines()
+
+    def paths() -> list[str]:
+        return [ln for ln in (trial / ENV_FILE_NAME).read_text().splitlines() if ln.startswith("PATH=")]
+
+    node_env(trial, cwd=tmp_path, own_tools=False)  # a user's command: the PATH it was given
+    assert paths() == ["PATH=/venv/bin:/usr/bin"]
+    node_env(trial, cwd=tmp_path)  # autotune's own ranks: this environment's bin first, as locally
+    assert paths() == [f"PATH={Path(sys.executable).parent}:/venv/bin:/usr/bin"]
     (tmp_path / ".deepspeed_env").write_text("PATH=/their/bin:/usr/bin\n")
-    node_env(trial, launch_path("/venv/bin:/usr/bin"), cwd=tmp_path)
-    assert [ln for ln in (trial / ENV_FILE_NAME).read_text().splitlines() if ln.startswith("PATH=")] == \
-        ["PATH=/their/bin:/usr/bin"]
+    node_env(trial, cwd=tmp_path)
+    assert paths() == ["PATH=/their/bin:/usr/bin"]
     assert launch_path("/my dir/bin:/usr/bin") == {}  # DeepSpeed exports it unquoted: a shell would split it
 
 
@@ -159,15 +166,22 @@ def test_every_node_gets_the_launchs_path_unless_the_users_file_sets_one(tmp_pat
                                      ("192.0.2.7", "it resolves to 192.0.2.7")])  # TEST-NET-1: never this machine
 def test_a_one_host_hostfile_naming_another_machine_is_refused_not_run_here(tmp_path, host, why):
     """Issue 25: DeepSpeed runs a one-host hostfile locally, so such a run tuned the login node."""
-    hf = _hostfile(tmp_path, f"{host} slots=4\n")  # the default 2 stages x 2 dp
+    hf = _hostfile(tmp_path, f"{host} slots=4\n")
+    with pytest.raises(UserError, match=re.escape(f"names one host, {host}, and it is not this machine ({why})")):
+        resolve_cluster(LauncherOptions(hostfile=hf), 4)
+    for local in ("localhost", "127.0.0.1", socket.gethostname()):
+        assert is_this_machine(local)
+        assert resolve_cluster(LauncherOptions(hostfile=_hostfile(tmp_path, f"{local} slots=4\n")), 4) is not None
+
+
+def test_the_cli_refuses_a_one_host_hostfile_of_another_machine_before_any_study(tmp_path):
+    hf = _hostfile(tmp_path, "bogus-host-that-does-not-exist slots=4\n")  # the default 2 stages x 2 dp
     r = subprocess.run([sys.executable, "-m", "autotune", "run", "--budget", "2", "--study", "st", "--hostfile", hf],
                        cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2, r.stdout + r.stderr
     (line,) = r.stderr.strip().splitlines()
-    assert f"names one host, {host}, and it is not this machine ({why})" in line
+    assert "names one host, bogus-host-that-does-not-exist, and it is not this machine" in line
     assert not (tmp_path / "st").exists()
-    for local in ("localhost", "127.0.0.1", socket.gethostname()):
-        assert is_this_machine(local)
 
 
 def test_slurm_needs_an_allocation_with_enough_tasks(tmp_path, monkeypatch):

@@ -27,7 +27,7 @@ from pathlib import Path
 from autotune.dsconfig import DEEPSPEED_DEFAULT_BUCKET, DsConfig
 from autotune.judge import TrialOutcome, failed, judge
 from autotune.launcher import LaunchOutcome, LaunchSpec, TrialProcess, free_port
-from autotune.multinode import Cluster, launch_path, node_env, resolve_cluster, stop_on_nodes
+from autotune.multinode import Cluster, node_env, resolve_cluster, stop_on_nodes
 from autotune.space import TrialConfig
 from autotune.trial import prepare_trial_dir
 from autotune.usercmd.command import UserCommand
@@ -85,8 +85,7 @@ def multi_node_command(command: UserCommand, settings: BootstrapSettings, run_di
         return command, None
     settings_file = run_dir / "bootstrap-settings.json"
     settings_file.write_text(settings.to_env(), encoding="utf-8")
-    spec.env.update(node_env(run_dir, {FILE_ENV: str(settings_file), **launch_path(os.environ.get("PATH", ""))},
-                             cwd=cwd))
+    spec.env.update(node_env(run_dir, {FILE_ENV: str(settings_file)}, cwd=cwd, own_tools=False))
     return command.for_cluster(cluster), cluster
 
 
