@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from launch_helpers import pipeline_config, run_ranks
 
 from autotune.summary import summarize_trial
+from benchmarks.p2p_split_truth import figures
 
 pytestmark = pytest.mark.slow
 
@@ -45,6 +48,10 @@ def test_injected_slow_stage_shows_as_imbalance_and_waiting(tmp_path):
     assert wait0(slow) - wait0(base) > 0.6 * extra
     assert comm0(slow) < 1.5 * comm0(base) + 0.1 * extra
     assert next(r for r in slow.ranks if r.stage == 0).comm_compute_ratio < 0.25  # not "chatty"
+    # The README's figure line (benchmarks/p2p_split_truth.py) from this same run: no launch of its own.
+    figure = re.match(r"neighbour wait grew ([\d.-]+) s for ([\d.-]+) s of extra compute \(ratio ([\d.-]+)\); "
+                      r"its transfer ([\d.]+) s -> ([\d.]+) s$", figures(records, 1)[-1])
+    assert figure is not None and float(figure[1]) > 0.6 * float(figure[2])
 
 
 def test_balanced_bubble_tracks_the_ideal(tmp_path):
