@@ -182,8 +182,16 @@ def cnn_trial(tmp_path_factory) -> Path:
     return tmp_path / "st" / "trial-000"
 
 
+@pytest.fixture(scope="module")
+def cnn_advice(cnn_trial) -> str:
+    """`autotune advise TRIAL --format json` on that trial, once for the tests that read it."""
+    result = CliRunner().invoke(cli, ["advise", str(cnn_trial), "--format", "json"])
+    assert result.exit_code == 0, result.output[-2000:]
+    return result.output
+
+
 @pytest.mark.slow
-def test_an_image_script_through_autotune_run_writes_no_zero_for_what_it_cannot_know(cnn_trial):
+def test_an_image_script_through_autotune_run_writes_no_zero_for_what_it_cannot_know(cnn_trial, cnn_advice):
     """Every CSV column, the Prometheus exposition of every row, the stored summary and `advise`."""
     trial = cnn_trial
     tmp_path = trial.parent.parent
@@ -214,21 +222,16 @@ def test_an_image_script_through_autotune_run_writes_no_zero_for_what_it_cannot_
     summary_json = (tmp_path / "st" / "summary.json").read_text()
     assert "tokens_per_second" not in summary_json and "seq_length" not in summary_json
     assert "tokens" not in (tmp_path / "st" / "report.md").read_text().lower()
-    result = CliRunner().invoke(cli, ["advise", str(trial), "--format", "json"])
-    assert result.exit_code == 0, result.output[-2000:]
-    assert "tokens" not in result.output
-    assert json.loads(result.output)["findings"] is not None
+    assert "tokens" not in cnn_advice
 
 
 @pytest.mark.slow
-def test_an_unbalanced_dp1_job_reads_as_unbalanced_not_chatty(cnn_trial):
+def test_an_unbalanced_dp1_job_reads_as_unbalanced_not_chatty(cnn_trial, cnn_advice):
     """Issue 24's first finding, on the job's shape: the stage imbalance comes first, with the
     partition the measured layer costs say balances it; communication is transfer only (the
     second stage's sends wait for the first: that is waiting), so it is not the top finding,
     and no data-parallel remedy (GAS to amortize a reduction) is proposed where dp is 1."""
-    result = CliRunner().invoke(cli, ["advise", str(cnn_trial), "--format", "json"])
-    assert result.exit_code == 0, result.output[-2000:]
-    fired = [f for f in json.loads(result.output)["findings"] if f["status"] == "fired"]
+    fired = [f for f in json.loads(cnn_advice)["findings"] if f["status"] == "fired"]
     assert fired and fired[0]["rule_id"] == "stage-imbalance", [(f["rule_id"], f.get("impact")) for f in fired]
     concrete = [c for c in fired[0]["changes"] if c["target"] in ("PipelineModule:partition_method",
                                                                   "PipelineModule parts")]
