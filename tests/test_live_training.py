@@ -88,12 +88,29 @@ def test_every_rule_expression_evaluates_on_the_real_job(live_job):
                      JOB, not absent, labels, not per_rank)
 
 
+DECIDED = 0.02
+"""A signal this close to its threshold may have crossed it between the rule's evaluation and the
+query; such an alert is not compared."""
+
+
 def test_alert_fires_where_the_real_signal_crosses_its_threshold(live_job):
-    """On 4 CPU ranks the comm/compute ratio is far above 0.25; the alert must be active."""
+    """Each alert is active exactly where its real signal is above its threshold. Since comm/compute
+    counts transfer only (issue 24) it may sit near its 0.25 on 4 CPU ranks, so an alert whose
+    values lie within DECIDED of the threshold is left out; the bubble on 4 ranks sharing 2 cores
+    is far above the ideal (oversubscription), so at least one alert is always compared."""
     prom, _, _ = live_job
-    ratios = [float(s["value"][1]) for s in prom.query(f'autotune_comm_compute_ratio{{job="{JOB}"}}')]
+    signals = {"AutotuneCommComputeHigh": (f'autotune_comm_compute_ratio{{job="{JOB}"}}', 0.25),
+               "AutotuneBubbleAboveIdeal": (f'job_trial:autotune_bubble_measured_ratio:avg{{job="{JOB}"}} - on (job, '
+                                            f'trial) job_trial:autotune_bubble_ideal_ratio:max{{job="{JOB}"}}', 0.1)}
     active = {a["labels"]["alertname"] for a in prom.api("alerts")["alerts"]}
-    assert ("AutotuneCommComputeHigh" in active) == any(r > 0.25 for r in ratios), (ratios, active)
+    compared = []
+    for alert, (expr, threshold) in signals.items():
+        values = [float(s["value"][1]) for s in prom.query(expr)]
+        if not values or any(abs(v - threshold) < DECIDED for v in values):
+            continue
+        compared.append(alert)
+        assert (alert in active) == any(v > threshold for v in values), (alert, values, active)
+    assert compared, "every alert's signal sat at its threshold"
     assert "AutotuneMemoryFragmentationHigh" not in active  # not available on CPU
 
 
