@@ -48,20 +48,22 @@ kept parts came from.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from statistics import fmean
 from typing import Any
 
 from autotune.errors import UserError
 from autotune.fileio import write_atomic
-from autotune.measurements import COSTS, HOOKED, OWN_SOURCES, RECHECK, REFERENCE, SOURCE
+from autotune.measurements import COSTS, RECHECK, REFERENCE, SOURCE
 from autotune.partition import bounding_layer, no_gain_text, partition_balanced, partition_uniform
 from autotune.proposers.base import Proposal
 from autotune.space import TrialConfig
+from autotune.trial_contract import TrialRequest
+from autotune.trial_kind import Step, TrialKind
+from autotune.tuning_steps import TrialEnd
 
 THRESHOLD = 1.10
 """Stage work imbalance (max / mean, `work_imbalance`) above which the partition trial runs (the goal of issue 13)."""
@@ -214,15 +216,16 @@ def _slowest(summary: Any) -> int:
 class StageBalancer:
     """Decides and carries the partition of a study's trials (through the runner's workload)."""
 
-    def __init__(self, runner: Any, study_root: Path, note: Callable[[str], None] = print, *,
-                 noise: float = NOISE) -> None:
-        self.runner = runner
+    def __init__(self, study_root: Path, note: Callable[[str], None] = print, *, method: str | None,
+                 multi_node: bool = False, noise: float = NOISE) -> None:
         self.root = Path(study_root)
         self.note = note
         self.noise = noise
-        self.user_command = not hasattr(runner, "workload")
+        self.multi_node = multi_node
+        """The ranks run on several nodes: they do not share this machine's cores."""
+        self.user_command = method is None
         """A user's command (usercmd/runner.py): its own code picks the method; parts are forced."""
-        self.method = "the script's own" if self.user_command else runner.workload.partition_method
+        self.method = "the script's own" if method is None else method
         """The study's own partition method (what trials run without a kept partition)."""
         self.pending: list[Proposal] = []
         """The step's next trials, in order (each follows from the trial just finished)."""
@@ -257,35 +260,32 @@ class StageBalancer:
         return bool(self.pending) or self.candidate is not None
 
     # -- around each trial ------------------------------------------------------------------
-    def before(self, number: int, proposal: Proposal) -> None:
-        """Set the runner for this trial: hooks on the step's own trials, and the parts."""
-        source = proposal.source
-        measuring = source in HOOKED
-        parts = (None if source == "baseline" else
+    def prepare(self, request: TrialRequest, kind: TrialKind) -> None:
+        """This trial's part of the request: hooks on the step's own trials, and the parts."""
+        source = kind.label
+        request.layer_costs = kind.hooked
+        parts = (None if kind.is_baseline else
                  self.candidate if source in (SOURCE, RECHECK) and self.candidate is not None else self.kept)
-        if self.user_command:
-            self.runner.layer_costs = measuring
-            self.runner.parts = list(parts) if parts is not None else None
-            return
-        from autotune.pipeline_parts import method_for
+        request.parts = list(parts) if parts is not None else None
 
-        method = method_for(parts) if parts is not None else self.method
-        self.runner.workload = dataclasses.replace(self.runner.workload, layer_costs=measuring,
-                                                   partition_method=method)
+    def after(self, end: TrialEnd) -> None:
+        """Learn from a trial's end (see `_after`)."""
+        self._after(end.number, end.proposal, end.ok, end.samples_per_second, end.summary,
+                    is_best=end.is_best, room=end.room)
 
-    def after(self, number: int, proposal: Proposal, ok: bool, samples_per_second: float | None,
-              summary: Any, *, is_best: bool = False, room: int | None = None) -> None:
+    def _after(self, number: int, proposal: Proposal, ok: bool, samples_per_second: float | None,
+               summary: Any, *, is_best: bool = False, room: int | None = None) -> None:
         """After trial `number`. `is_best`: it made its configuration the study's best so far;
         `room`: trials the budget has left (None: no limit), so that a round is started only
         where its trials fit."""
         source, config = proposal.source, proposal.config
         self._room = 1 << 30 if room is None else room
         measured = bool(ok and samples_per_second is not None)
-        if source in ("baseline", COSTS):
+        if proposal.kind.is_baseline or source == COSTS:
             self.planned.add(config.key())
             if measured and summary is not None:
                 self.reference = [float(samples_per_second)]
-                if source == "baseline":
+                if proposal.kind.is_baseline:
                     self.info["baseline_samples_per_second"] = float(samples_per_second)
                 self._plan(number, config, summary)
             elif source == COSTS:
@@ -432,8 +432,7 @@ class StageBalancer:
         (4 stages of `wide-vocab` on 2 cores: docs/partition.md, "Why 4 stages do not win here".)"""
         ranks = lc.stages * int(getattr(summary, "data_parallel_size", 1) or 1)
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        cluster = getattr(self.runner, "cluster", None)
-        if lc.peak_memory_kind == "cuda_max_allocated" or ranks <= cores or getattr(cluster, "multi_node", False):
+        if lc.peak_memory_kind == "cuda_max_allocated" or ranks <= cores or self.multi_node:
             return
         self.info["cores_shared"] = {"ranks": ranks, "cores": cores}
         self.note(f"      partition: {ranks} ranks share {cores} cores here, so a step takes about the stages' "
@@ -464,13 +463,12 @@ class StageBalancer:
         write_atomic(self.root / RESULT_NAME, json.dumps(self.info, indent=2) + "\n")
 
     # -- resume ------------------------------------------------------------------------------
-    def replay(self, finished: list[Any], redo: list[Any], budget: int | None = None) -> None:
+    def replay(self, finished: Sequence[Any], redo: Sequence[Any], budget: int | None = None) -> None:
         """Rebuild the decision from the study's finished trials (a resume), in trial order: each
         step reads the same layer-cost files and the same best-so-far it read when it ran, and
         where the budget's room decided (a recheck, a round), what followed the trial says what
         was decided (a resume may bring another budget); after the last trial, the budget left.
         A step's trial interrupted (in `redo`) runs again as itself, not a second time."""
-        from autotune.checkpoint_step import SOURCE as CHECKPOINT
         from autotune.measurements import best_of
         from autotune.summary import TrialSummary
 
@@ -482,10 +480,11 @@ class StageBalancer:
                 self._drop_pending(t.source)
                 summary = TrialSummary.from_dict(t.summary) if t.summary else None
                 ok = t.status == "ok"
-                best = best_of(rows[:i + 1]) if ok and t.source not in HOOKED else None
-                # the checkpoint step's trials go before this step's: look past them
-                self._followed = next((r.source for r in rows[i + 1:] + list(redo) if r.source != CHECKPOINT), None)
-                self.after(t.number, Proposal(config=t.config, source=t.source), ok, t.samples_per_second,
+                best = best_of(rows[:i + 1]) if ok and not TrialKind.of(t.source).hooked else None
+                # the other steps' trials come between this step's: look past them
+                self._followed = next((r.source for r in [*rows[i + 1:], *redo]
+                                       if TrialKind.of(r.source).step in (Step.SEARCH, Step.PARTITION)), None)
+                self._after(t.number, Proposal(config=t.config, source=t.source), ok, t.samples_per_second,
                            summary, is_best=best is not None and best.number == t.number,
                            room=None if budget is None else budget - (i + 1))
         finally:
@@ -496,7 +495,7 @@ class StageBalancer:
 
     def _drop_pending(self, source: str) -> None:
         """The step's proposal that trial of `source` ran (it is not proposed again)."""
-        if source in OWN_SOURCES:
+        if TrialKind.of(source).step is Step.PARTITION:
             i = next((i for i, p in enumerate(self.pending) if p.source == source), None)
             if i is not None:
                 del self.pending[i]

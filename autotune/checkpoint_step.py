@@ -37,14 +37,17 @@ after them start a new pool of warm workers.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from autotune.proposers.base import Proposal
 from autotune.proposers.feasibility import OOM_REASONS
 from autotune.space import SearchSpace, TrialConfig
+from autotune.trial_contract import TrialRequest
+from autotune.trial_kind import CHECKPOINT as SOURCE
+from autotune.trial_kind import TrialKind
+from autotune.tuning_steps import TrialEnd
 
-SOURCE = "checkpoint"
 INTERVAL = 1
 """Checkpoint every decoder layer: the most memory saved, one recomputed forward per layer."""
 MAX_TRIALS = 3
@@ -65,8 +68,21 @@ class CheckpointStep:
         p, self.pending = self.pending, None
         return p
 
-    def after(self, number: int, config: TrialConfig, source: str, ok: bool, failure_reason: str | None,
-              samples_per_second: float | None, earlier_best: float | None) -> None:
+    @property
+    def deciding(self) -> bool:
+        """Checkpointed trials are never told to the proposer (its encoding has no interval), so
+        nothing is held while one is planned."""
+        return False
+
+    def prepare(self, request: TrialRequest, kind: TrialKind) -> None:
+        """The interval is a TrialConfig field: the request carries it already."""
+
+    def after(self, end: TrialEnd) -> None:
+        self._after(end.number, end.proposal.config, end.proposal.source, end.ok, end.failure_reason,
+                    end.samples_per_second, end.earlier_best)
+
+    def _after(self, number: int, config: TrialConfig, source: str, ok: bool, failure_reason: str | None,
+               samples_per_second: float | None, earlier_best: float | None) -> None:
         """Plan the next checkpointed trial, if trial `number`'s outcome calls for one;
         `earlier_best`: the fastest successful trial before it (samples/s; None: none)."""
         if config.activation_checkpoint_interval == 0:
@@ -116,7 +132,7 @@ class CheckpointStep:
         self.tried.add(cfg.key())
         self.pending = Proposal(config=cfg, source=SOURCE, reason=reason)
 
-    def replay(self, finished: list[Any], redo: list[Any]) -> None:
+    def replay(self, finished: Sequence[Any], redo: Sequence[Any], budget: int | None = None) -> None:
         """Rebuild the plan from a resumed study's finished trials, in trial order. A checkpointed
         trial that was interrupted (in `redo`) runs again as itself, not a second time."""
         saved, self.note = self.note, (lambda _text: None)  # said when it happened
@@ -127,7 +143,7 @@ class CheckpointStep:
                     self.tried.add(t.config.key())
                     self.pending = None
                 ok = t.status == "ok"
-                self.after(t.number, t.config, t.source, ok, t.failure_reason, t.samples_per_second, best)
+                self._after(t.number, t.config, t.source, ok, t.failure_reason, t.samples_per_second, best)
                 if ok and t.samples_per_second:
                     best = max(best or 0.0, float(t.samples_per_second))
         finally:

@@ -36,6 +36,8 @@ class TrialOutcome:
 def judge(outcome: LaunchOutcome, trial_dir: Path, timeout: float) -> TrialOutcome:
     """Classify a finished launch and summarize its metrics."""
     wall = outcome.wall_seconds
+    if outcome.launch_error is not None:  # the launcher itself could not be started
+        return failed("launcher_missing", outcome.launch_error, wall)
     log = _tail(outcome.log_path)
     if outcome.timed_out or outcome.returncode != 0:
         hang = read_hang(trial_dir)  # a rank's watchdog saw it stall and wrote where

@@ -261,19 +261,33 @@ def group_alive(pgid: int) -> bool:
     return False
 
 
-def run_trial_process(spec: LaunchSpec) -> LaunchOutcome:
-    tp = TrialProcess(spec)
-    error = tp.start()
-    if error is not None:
-        return LaunchOutcome(returncode=None, timed_out=False, wall_seconds=0.0,
-                             log_path=spec.log_path, launch_error=error)
+def run_launch(proc: TrialProcess, *, on_start: Callable[[TrialProcess], None] | None = None,
+               after_stop: Callable[[TrialProcess], None] | None = None) -> LaunchOutcome:
+    """The one launch-and-stop path of every trial: start, wait (the spec's timeout), and stop the
+    whole group on every way out, a Ctrl-C included. `on_start` receives the running process
+    (the study records its group and port); `after_stop` runs once the group is gone (the ranks
+    on other nodes, which are sshd's children and not in the launcher's group)."""
+    log_path = proc.spec.log_path
     try:
-        rc, timed_out = tp.wait()
+        error = proc.start()
+        if error is not None:
+            log_path.write_text(error + "\n", encoding="utf-8")  # the trial folder holds the evidence
+            return LaunchOutcome(returncode=None, timed_out=False, wall_seconds=0.0, log_path=log_path,
+                                 launch_error=error)
+        if on_start is not None:
+            on_start(proc)
+        rc, timed_out = proc.wait()
     finally:
-        # Ranks the launcher left behind (it died, or we were interrupted) go too.
-        tp.stop(grace=2.0)
-    return LaunchOutcome(returncode=rc, timed_out=timed_out,
-                         wall_seconds=time.monotonic() - tp.started, log_path=spec.log_path)
+        proc.stop(grace=2.0)  # ranks the launcher left behind, or a Ctrl-C: the whole group goes
+        if after_stop is not None:
+            after_stop(proc)
+    return LaunchOutcome(returncode=rc, timed_out=timed_out, wall_seconds=time.monotonic() - proc.started,
+                         log_path=log_path)
+
+
+def run_trial_process(spec: LaunchSpec) -> LaunchOutcome:
+    """Launch `spec` with autotune's own rank script and wait for it (benchmarks, tests)."""
+    return run_launch(TrialProcess(spec))
 
 
 def _cmdline(pid: int) -> str:

@@ -14,17 +14,11 @@ import dataclasses
 from statistics import fmean
 from typing import Any
 
-SOURCE = "partition"
-"""A round's candidate parts, hooks on."""
-COSTS = "partition-costs"
-"""The best trial's configuration again with the hooks on: the layer costs and the reference of a round."""
-RECHECK = "partition-recheck"
-"""The candidate again, when the round's pair lies within the noise margin."""
-REFERENCE = "partition-reference"
-"""The partition in force again, after RECHECK (the pair in the order A B B A)."""
-OWN_SOURCES = (SOURCE, COSTS, RECHECK, REFERENCE)
-HOOKED = ("baseline", *OWN_SOURCES)
-"""Trials that run with the layer-cost hooks on (each round's trials cost the same to measure)."""
+from autotune.trial_kind import PARTITION as SOURCE
+from autotune.trial_kind import PARTITION_COSTS as COSTS
+from autotune.trial_kind import PARTITION_RECHECK as RECHECK
+from autotune.trial_kind import PARTITION_REFERENCE as REFERENCE
+from autotune.trial_kind import Step, TrialKind
 
 
 def superseded(trials: list[Any]) -> set[int]:
@@ -45,8 +39,6 @@ def superseded(trials: list[Any]) -> set[int]:
     is the same case, another model setting at the baseline's key, and `KnobSweep` keeps a
     value by the same rule (faster than the measurement in force), so each is a round here.
     """
-    from autotune.usercmd.knobs import SOURCE_PREFIX as KNOB
-
     def measured(t: Any) -> bool:
         return t.status == "ok" and t.samples_per_second is not None
 
@@ -73,10 +65,11 @@ def superseded(trials: list[Any]) -> set[int]:
         candidate, again = [], []
 
     for t in rows:
-        if t.source in ("baseline", COSTS):
+        kind = TrialKind.of(t.source)
+        if kind.is_baseline or t.source == COSTS:
             close()
             reference = [t] if measured(t) else []
-        elif t.source == SOURCE or t.source.startswith(KNOB):
+        elif t.source == SOURCE or kind.step is Step.KNOB:
             close()
             candidate = [t]
         elif t.source == RECHECK and candidate:

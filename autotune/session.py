@@ -1,4 +1,4 @@
-"""Assembles a tuning run from validated options: config, space, proposer, study, runner.
+"""Assembles a tuning run from validated options: the job, config, space, proposer, study, runner.
 
 The CLI only parses arguments into RunOptions and calls `tune()`.
 """
@@ -6,26 +6,23 @@ The CLI only parses arguments into RunOptions and calls `tune()`.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
+from autotune.builtin_job import BuiltinJob
 from autotune.display import ProgressDisplay
 from autotune.dsconfig import DsConfig
 from autotune.errors import UserError
 from autotune.extras import require
+from autotune.job_contract import TuningJob
 from autotune.options import RunOptions
 from autotune.precision import check_precision
 from autotune.space import SearchSpace
-from autotune.starting_point import (
-    baseline_config,
-    build_space,
-    load_base_config,
-    require_optimizer,
-)
+from autotune.starting_point import baseline_config, load_base_config
 from autotune.study import Study
-from autotune.trial import TrialRunner
 from autotune.tuner import DEFAULT_NOISE, Tuner, TuneResult, dump_space
-from autotune.validation import validate
+from autotune.tuning_callbacks import LiveMetricsCallback, ProgressCallback
+from autotune.tuning_steps import TunerCallback
 
 
 def open_study(opts: RunOptions) -> tuple[Study, RunOptions]:
@@ -54,47 +51,56 @@ def open_study(opts: RunOptions) -> tuple[Study, RunOptions]:
     return Study.open(root, create=True, meta={"settings": opts.to_dict()}), opts
 
 
-def prepare(opts: RunOptions, *, built_in: bool = True) -> tuple[DsConfig, SearchSpace]:
+def prepare(opts: RunOptions, job: TuningJob) -> tuple[DsConfig, SearchSpace]:
     """Validate, then build the starting config and the search space once, before the study
     folder is touched: a new study is never created with settings that cannot run."""
-    validate(opts, built_in=built_in)
+    job.validate(opts)
     base = load_base_config(opts)
-    return base, build_space(opts, base)
+    check_precision(base)  # a precision the devices lack would fail every trial alike
+    job.check_config(opts, base)  # so would a config the job cannot run
+    return base, job.space(opts, base)
+
+
+def prepare_job(opts: RunOptions, command: list[str] | None, note: Callable[[str], None]) -> TuningJob:
+    """The job a run tunes: the user's command (autotune/usercmd), or the built-in workload. The one
+    place that tells them apart; from here on both are a TuningJob (autotune/job_contract.py)."""
+    if command:
+        from autotune.usercmd.job import prepare_user_job
+
+        return prepare_user_job(opts, command, note)  # sets the run's config, stages and dp
+    return BuiltinJob()
+
+
+def resumed_job(study: Study, job: TuningJob) -> TuningJob:
+    """A study of a user's command resumed without the command finds it in the study."""
+    from autotune.usercmd.job import resumed_user_job
+
+    return resumed_user_job(study) or job
 
 
 def tune(opts: RunOptions, display: ProgressDisplay | None = None, *,
          command: list[str] | None = None) -> TuneResult:
     """`command`: the user's own training command (autotune/usercmd); None = the built-in workload."""
     require("tune", what="autotune run")  # before any trial: not N launcher_missing failures
-    from autotune.usercmd.job import attach_user_job, describe_job, prepare_user_job
-
     display = display or ProgressDisplay(budget=opts.budget)
     from autotune import ext_locks
 
     ext_locks.PREFLIGHT.note = display.note  # what the pre-flight of every launch says goes to the run's output
     ext_locks.PREFLIGHT.wait_limit = opts.build_wait
-    if opts.knobs and not command:
-        from autotune.usercmd.knobs import refuse_for_built_in
-
-        refuse_for_built_in(opts.knobs)  # always raises: one line naming the flag to use
-    job = prepare_user_job(opts, command, display.note) if command else None  # sets config, stages, dp
-    base, space = prepare(opts, built_in=job is None)
-    check_precision(base)  # a precision the devices lack would fail every trial alike
-    if job is None:
-        require_optimizer(base, opts.config)  # so would a config without one
+    job = prepare_job(opts, command, display.note)
+    base, space = prepare(opts, job)
     cluster = _cluster(opts, display)  # hostfile, slots, launcher, hosts: checked before the study
     study, stored = open_study(opts)
     exporter = None
     try:
         if stored is not opts:  # a resumed study runs the settings it was created with
             opts = stored
+            job = resumed_job(study, job)
             base = load_base_config(opts)
             check_precision(base)  # ask again for the stored config, before anything is written
-            space = build_space(opts, base)
             cluster = _cluster(opts, display)
-        job = attach_user_job(study, job)  # a resumed study of a user's command finds it here
-        if job is not None:
-            space = job.space(opts, base)
+        space = job.space(opts, base)
+        job.store(study)
         display.budget = opts.budget
         _store_meta(study, opts, space)
         from autotune.proposers.registry import make_proposer
@@ -105,54 +111,30 @@ def tune(opts: RunOptions, display: ProgressDisplay | None = None, *,
         wl = opts.workload
         wl.metrics_port = None if opts.no_metrics else opts.rank_metrics_port
         wl.metrics_addr = opts.metrics_addr
-        what = (describe_job(dataclasses.asdict(job), dataclasses.asdict(wl)) if job else
-                f"workload: {wl.preset}, {wl.pipeline_stages} stages x {wl.data_parallel_size} dp = "
-                f"{wl.world_size} ranks")  # the user's command is no preset (usercmd/job.py)
-        display.note(f"study: {study.root}  |  {what}  |  tuner: {opts.tuner}, budget {opts.budget}")
+        display.note(f"study: {study.root}  |  {job.describe(opts)}  |  tuner: {opts.tuner}, budget {opts.budget}")
         display.note(f"space: {space.describe()}")
         exporter = _live_metrics(opts, display, study)
         from autotune import preload
 
         preload.start()  # the optimizer's and the report's imports, while the baseline starts its ranks
-        runner = job.runner(opts, base) if job else TrialRunner(wl, base, note=display.note, cluster=cluster)
-        balancer = None
-        if wl.balance_stages:  # the partition step (autotune/balance.py)
-            from autotune.balance import StageBalancer
-
-            balancer = StageBalancer(runner, study.root, display.note,
-                                     noise=float(getattr(proposer, "noise", DEFAULT_NOISE)))
-        if job and opts.knobs:  # the user's model settings mapped to their flags (usercmd/knobs.py)
-            from autotune.usercmd.knobs import KnobSweep, parse_knobs
-
-            runner.knobs = parse_knobs(opts.knobs)
-            balancer = KnobSweep(runner, runner.knobs, study.root, display.note)
+        runner = job.runner(opts, base, note=display.note, cluster=cluster)
+        steps = job.steps(opts, base, space, root=study.root, note=display.note, cluster=cluster,
+                          noise=float(getattr(proposer, "noise", DEFAULT_NOISE)))
+        callbacks: list[TunerCallback] = [ProgressCallback(display, study)]
+        if exporter is not None:
+            callbacks.append(LiveMetricsCallback(exporter))
         tuner = Tuner(study=study, runner=runner, space=space, proposer=proposer,
-                      baseline=baseline, display=display, budget=opts.budget,
+                      baseline=baseline, note=display.note, budget=opts.budget,
                       trial_timeout=opts.trial_timeout, startup_timeout=opts.startup_timeout,
-                      rules_fired=fired, exporter=exporter,
-                      balancer=balancer, checkpointing=_checkpoint_step(opts, base, space, job, display),
-                      stop_early=not opts.full_budget)
+                      rules_fired=fired, steps=steps, callbacks=callbacks, stop_early=not opts.full_budget)
         try:
             return tuner.run()
         finally:
-            getattr(runner, "close", lambda: None)()  # warm workers (autotune/workers.py) end with the run
+            runner.close()  # warm workers (autotune/workers.py) end with the run
     finally:
         if exporter is not None:
             exporter.close()
         study.close()
-
-
-def _checkpoint_step(opts: RunOptions, base: DsConfig, space: SearchSpace, job: Any, display: ProgressDisplay):
-    """The checkpoint step (autotune/checkpoint_step.py) where the model allows it: the built-in
-    workload's own model, not yet checkpointing; else None."""
-    wl = opts.workload
-    if not opts.checkpoint_on_oom or job is not None or wl.model is not None:
-        return None
-    if wl.activation_checkpoint_interval or base.activation_checkpoint_interval:
-        return None
-    from autotune.checkpoint_step import CheckpointStep
-
-    return CheckpointStep(space, display.note)
 
 
 def _cluster(opts: RunOptions, display: ProgressDisplay):

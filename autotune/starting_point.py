@@ -34,7 +34,8 @@ def require_optimizer(base: DsConfig, path: str | None) -> None:
                         "\"optimizer\": {\"type\": \"Adam\", \"params\": {\"lr\": 0.001}}")
 
 
-def build_space(opts: RunOptions, base: DsConfig) -> SearchSpace:
+def build_space(opts: RunOptions, base: DsConfig, *, model_parameters: int | None = None) -> SearchSpace:
+    """The search space over `base`; `model_parameters` bound the bucket range (None: the preset's)."""
     layout = base.resolve_batch(opts.workload.data_parallel_size)
     global_batch = None
     if not opts.free_batch:
@@ -45,7 +46,8 @@ def build_space(opts: RunOptions, base: DsConfig) -> SearchSpace:
         micro_max=opts.micro_max, gas_min=opts.gas_min, gas_max=opts.gas_max,
         powers_of_two_only=not opts.integer_micro, bucket_min=opts.bucket_min,
         bucket_max=opts.bucket_max, max_global_batch=opts.max_global_batch,
-        model_parameters=parameter_count(get_preset(opts.workload.preset)),
+        model_parameters=(parameter_count(get_preset(opts.workload.preset)) if model_parameters is None
+                          else model_parameters),
     )
 
 

@@ -4,62 +4,45 @@ that stay alive between trials (autotune/workers.py), hand the ending to autotun
 
 from __future__ import annotations
 
+import dataclasses
 import json
-import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from autotune.dsconfig import DsConfig
 from autotune.faults import CONTROLLER_FAULTS, RANK_FAULTS
 from autotune.judge import TrialOutcome, failed, judge
-from autotune.launcher import LaunchOutcome, LaunchSpec, TrialProcess
+from autotune.launcher import LaunchSpec, TrialProcess, run_launch
 from autotune.multinode import Cluster, cluster_args, node_env, stop_on_nodes
 from autotune.options import WorkloadOptions
 from autotune.space import TrialConfig
 from autotune.step_budget import RECORD_NAME as STEP_RECORD
-from autotune.watchdog import StallLimits
+from autotune.trial_contract import TrialRequest
 from autotune.workers import WarmWorkers, fresh_reason
 from autotune.workload.trial_spec import SPEC_NAME, TrialSpec
 
 
-class TrialRunner:
-    """Runs trials of one workload; `on_start` receives the process (to record its group id)."""
+class BuiltinRunner:
+    """Trials of the built-in workload in fresh processes: each trial launches its ranks through
+    DeepSpeed's launcher (or the cluster's) and ends them. The fresh runner of the trial contract."""
 
     def __init__(self, workload: WorkloadOptions, base_config: DsConfig, *,
-                 launcher: list[str] | None = None, note: Callable[[str], None] | None = None,
-                 cluster: Cluster | None = None) -> None:
+                 launcher: list[str] | None = None, cluster: Cluster | None = None) -> None:
         self.workload = workload
         self.base_config = base_config
         self.launcher = launcher
         self.cluster = cluster
         """Where the ranks run (autotune/multinode.py); None: this machine, stages x dp ranks."""
         self._cluster_args = cluster_args(cluster) if cluster is not None else None
-        self.warm: WarmWorkers | None = None
-        if workload.workers == "warm":
-            self.warm = WarmWorkers(workload.world_size, launcher=launcher, note=note)
 
     def begin_close(self) -> None:
-        """No trial follows: warm workers start exiting now (see `WarmWorkers.begin_close`)."""
-        if self.warm is not None:
-            self.warm.begin_close()
+        """Nothing outlives a fresh trial."""
 
     def close(self) -> None:
-        """Stop the warm workers, if any (the end of a run)."""
-        if self.warm is not None:
-            self.warm.close()
+        """Nothing outlives a fresh trial."""
 
-    def _fresh_because(self, fault: str | None, ds_config: dict) -> str | None:
-        """Why this trial runs in fresh processes although the study asks for warm workers."""
-        if self.cluster is not None:  # the pool is launched with --num_gpus on this machine only
-            return "DeepSpeed launcher options (--hostfile, ...) are given: every trial runs in fresh processes"
-        if fault in CONTROLLER_FAULTS:
-            return f"the injected fault {fault!r} is a launch fault: this trial runs in fresh processes"
-        why = fresh_reason(ds_config, self.workload.activation_checkpoint_interval)
-        if why and not fresh_reason(self.base_config.to_dict(), self.workload.activation_checkpoint_interval):
-            return f"{why}: the checkpoint step's trials run in fresh processes"  # the others stay warm
-        return f"{why}: every trial runs in fresh processes" if why else None
-
-    def ds_config_for(self, config: TrialConfig) -> dict:
+    def ds_config_for(self, config: TrialConfig) -> dict[str, Any]:
         return self.base_config.with_trial(
             micro_batch_size=config.micro_batch_size,
             gradient_accumulation_steps=config.gradient_accumulation_steps,
@@ -68,69 +51,119 @@ class TrialRunner:
             activation_checkpoint_interval=config.activation_checkpoint_interval,
         ).to_dict()
 
-    def describe(self, number: int, trial_dir: Path, incumbent: tuple[float, float] | None = None,
-                 stall: StallLimits | None = None) -> TrialSpec:
-        """What trial `number`'s ranks are told (written as trial-NNN/trial.json); `incumbent`:
-        (samples/s, noise) a trial must plausibly beat not to be stopped early."""
-        fault = self.workload.fault_for(number)
-        return TrialSpec(workload=self.workload, trial=number, ds_config=str(trial_dir / "ds_config.json"),
+    def workload_for(self, request: TrialRequest) -> WorkloadOptions:
+        """The workload with what the setting steps asked of this trial (parts, layer-cost hooks)."""
+        changes: dict[str, Any] = {}
+        if request.layer_costs is not None:
+            changes["layer_costs"] = request.layer_costs
+        if request.parts is not None:
+            from autotune.pipeline_parts import method_for
+
+            changes["partition_method"] = method_for(request.parts)
+        return dataclasses.replace(self.workload, **changes) if changes else self.workload
+
+    def describe(self, request: TrialRequest, trial_dir: Path) -> TrialSpec:
+        """What the trial's ranks are told (written as trial-NNN/trial.json)."""
+        workload = self.workload_for(request)
+        fault = workload.fault_for(request.number)
+        incumbent = request.incumbent
+        return TrialSpec(workload=workload, trial=request.number, ds_config=str(trial_dir / "ds_config.json"),
                          metrics_csv=str(trial_dir / "metrics-rank{rank}.csv"),
                          fault=fault if fault in RANK_FAULTS else None,  # a runner fault stays here
-                         incumbent_samples_per_second=incumbent[0] if incumbent else None,
-                         noise=incumbent[1] if incumbent else 0.10,
-                         limits=stall.to_dict() if stall is not None else None)
+                         incumbent_samples_per_second=incumbent.samples_per_second if incumbent else None,
+                         noise=incumbent.noise if incumbent else 0.10,
+                         limits=request.stall.to_dict() if request.stall is not None else None)
 
-    def run(self, number: int, config: TrialConfig, trial_dir: Path, *, timeout: float,
-            on_start: Callable[[TrialProcess], None] | None = None,
-            incumbent: tuple[float, float] | None = None, stall: StallLimits | None = None) -> TrialOutcome:
-        """`stall`: each rank's start-up and step limits (autotune/watchdog.py); None: no watchdog."""
-        trial_dir, ds_path = prepare_trial_dir(trial_dir, self.ds_config_for(config))
-        fault = self.workload.fault_for(number)
-        description = self.describe(number, trial_dir, incumbent, stall)
-        spec = LaunchSpec(
-            num_ranks=self.workload.world_size,
-            script_args=["--trial-spec", str(description.write(trial_dir / SPEC_NAME))],
-            log_path=trial_dir / "launcher.log", timeout=timeout,
-        )
+    def _prepare(self, request: TrialRequest) -> tuple[Path, dict[str, Any]]:
+        """The trial folder with its ds_config.json and trial.json; the ds_config."""
+        ds_config = self.ds_config_for(request.config)
+        trial_dir, _ = prepare_trial_dir(request.trial_dir, ds_config)
+        self.describe(request, trial_dir).write(trial_dir / SPEC_NAME)
+        return trial_dir, ds_config
+
+    def run(self, request: TrialRequest) -> TrialOutcome:
+        trial_dir, _ = self._prepare(request)
+        return self._run_fresh(request, trial_dir)
+
+    def _run_fresh(self, request: TrialRequest, trial_dir: Path) -> TrialOutcome:
+        fault = self.workload.fault_for(request.number)
+        spec = LaunchSpec(num_ranks=self.workload.world_size, script_args=["--trial-spec", str(trial_dir / SPEC_NAME)],
+                          log_path=trial_dir / "launcher.log", timeout=request.timeout)
         if self.launcher is not None:
             spec.launcher = list(self.launcher)
         spec.cluster_args = self._cluster_args
-        multi_node = self.cluster is not None and self.cluster.multi_node
-        if multi_node:  # the other nodes' ranks get their environment through DeepSpeed's env file
+        cluster = self.cluster if self.cluster is not None and self.cluster.multi_node else None
+        if cluster is not None:  # the other nodes' ranks get their environment through DeepSpeed's env file
             spec.env.update(node_env(trial_dir))
         if fault == "nolauncher":
             spec.launcher = [str(trial_dir / "no-such-launcher")]
         elif fault == "noscript":
             spec.script = trial_dir / "no-such-train.py"
-        if self.warm is not None:
-            ds_config = json.loads(ds_path.read_text(encoding="utf-8"))
-            why = self._fresh_because(fault, ds_config)
-            if why is None:
-                outcome = self.warm.run(trial_dir / SPEC_NAME, trial_dir, ds_config, timeout, on_start)
-                return judge(outcome, trial_dir, timeout) if outcome.launch_error is None else \
-                    failed("launcher_missing", outcome.launch_error, 0.0)
-            self.warm.say_once(f"      warm workers: {why}")
-            self.warm.close()  # a fresh trial's processes and a pool's do not share the cores
         if not spec.script.is_file():
             detail = f"training script {spec.script} not found; reinstall autotune"
             spec.log_path.write_text(detail + "\n", encoding="utf-8")
             return failed("launcher_missing", detail, 0.0)
-        proc = TrialProcess(spec)
-        try:
-            error = proc.start()
-            if error is not None:
-                spec.log_path.write_text(error + "\n", encoding="utf-8")
-                return failed("launcher_missing", error, 0.0)
-            if on_start is not None:
-                on_start(proc)
-            rc, timed_out = proc.wait()
-        finally:
-            proc.stop(grace=2.0)  # ranks the launcher left behind, or a Ctrl-C: the whole group goes
-            if multi_node:  # ranks on the nodes are sshd's children, not in the launcher's group
-                stop_on_nodes(self.cluster, str(trial_dir), master_port=proc.master_port)
-        outcome = LaunchOutcome(returncode=rc, timed_out=timed_out,
-                                wall_seconds=time.monotonic() - proc.started, log_path=spec.log_path)
-        return judge(outcome, trial_dir, timeout)
+
+        def stop_on_other_nodes(proc: TrialProcess) -> None:
+            if cluster is not None:
+                stop_on_nodes(cluster, str(trial_dir), master_port=proc.master_port)
+
+        outcome = run_launch(TrialProcess(spec), on_start=request.on_start, after_stop=stop_on_other_nodes)
+        return judge(outcome, trial_dir, request.timeout)
+
+
+class WarmRunner(BuiltinRunner):
+    """Trials of the built-in workload in warm workers kept alive between trials
+    (autotune/workers.py); a trial a warm process cannot be trusted with runs fresh, and the
+    run says why once. The warm runner of the trial contract."""
+
+    def __init__(self, workload: WorkloadOptions, base_config: DsConfig, *,
+                 launcher: list[str] | None = None, note: Callable[[str], None] | None = None) -> None:
+        super().__init__(workload, base_config, launcher=launcher)
+        self.warm = WarmWorkers(workload.world_size, launcher=launcher, note=note)
+
+    def begin_close(self) -> None:
+        """No trial follows: warm workers start exiting now (see `WarmWorkers.begin_close`)."""
+        self.warm.begin_close()
+
+    def close(self) -> None:
+        self.warm.close()
+
+    def _fresh_because(self, fault: str | None, ds_config: dict[str, Any]) -> str | None:
+        """Why this trial runs in fresh processes although the study asks for warm workers."""
+        if fault in CONTROLLER_FAULTS:
+            return f"the injected fault {fault!r} is a launch fault: this trial runs in fresh processes"
+        interval = self.workload.activation_checkpoint_interval
+        why = fresh_reason(ds_config, interval)
+        if why and not fresh_reason(self.base_config.to_dict(), interval):
+            return f"{why}: the checkpoint step's trials run in fresh processes"  # the others stay warm
+        return f"{why}: every trial runs in fresh processes" if why else None
+
+    def run(self, request: TrialRequest) -> TrialOutcome:
+        trial_dir, ds_config = self._prepare(request)
+        why = self._fresh_because(self.workload.fault_for(request.number), ds_config)
+        if why is None:
+            outcome = self.warm.run(trial_dir / SPEC_NAME, trial_dir, ds_config, request.timeout, request.on_start)
+            return judge(outcome, trial_dir, request.timeout)
+        self.warm.say_once(f"      warm workers: {why}")
+        self.warm.close()  # a fresh trial's processes and a pool's do not share the cores
+        return self._run_fresh(request, trial_dir)
+
+
+MULTI_NODE_IS_FRESH = ("DeepSpeed launcher options (--hostfile, ...) are given: every trial runs in fresh "
+                       "processes")
+
+
+def builtin_runner(workload: WorkloadOptions, base_config: DsConfig, *, launcher: list[str] | None = None,
+                   note: Callable[[str], None] | None = None, cluster: Cluster | None = None) -> BuiltinRunner:
+    """The built-in workload's runner: warm workers where the study asks for them and the ranks run on
+    this machine (a pool is launched with --num_gpus here), else fresh processes."""
+    if workload.workers != "warm":
+        return BuiltinRunner(workload, base_config, launcher=launcher, cluster=cluster)
+    if cluster is not None:
+        (note or print)(f"      warm workers: {MULTI_NODE_IS_FRESH}")
+        return BuiltinRunner(workload, base_config, launcher=launcher, cluster=cluster)
+    return WarmRunner(workload, base_config, launcher=launcher, note=note)
 
 
 def prepare_trial_dir(trial_dir: Path, ds_config: dict, *, stale: tuple[str, ...] = ()) -> tuple[Path, Path]:

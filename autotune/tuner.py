@@ -19,27 +19,26 @@ from __future__ import annotations
 
 import os
 import signal
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 from autotune import search_stop
-from autotune.display import ProgressDisplay
 from autotune.errors import AutotuneError
 from autotune.faults import crash_point
 from autotune.judge import TrialOutcome
-from autotune.launcher import leftover_ports, remove_shm_buffers, stop_leftovers
+from autotune.launcher import TrialProcess, leftover_ports, remove_shm_buffers, stop_leftovers
 from autotune.proposers.base import STATUS_FAILED, STATUS_OK, Proposal, Proposer, TrialResult
 from autotune.space import SearchSpace, TrialConfig
 from autotune.study import STATUS_INTERRUPTED, STATUS_RUNNING, Study, TrialRow
-from autotune.study_outputs import write_outputs
 from autotune.summary import TrialSummary
-from autotune.trial import TrialRunner
+from autotune.trial_contract import Incumbent, Runner, TrialRequest
+from autotune.trial_kind import BASELINE
 from autotune.trial_limits import TrialLimits, limits_for
+from autotune.tuning_callbacks import StudyOutputs
+from autotune.tuning_steps import SettingStep, TrialEnd, TunerCallback
 
-MEASURED_IN_FULL = frozenset({"baseline", "remeasure", "confirm", "recheck"})
-"""Proposal sources never stopped early: the reference and the re-measurements."""
 DEFAULT_NOISE = 0.10
 """The early-stop margin where the proposer states none (HybridProposer.noise's default)."""
 
@@ -85,20 +84,23 @@ def _stop_on_signals() -> Iterator[None]:
 
 
 class Tuner:
-    def __init__(self, *, study: Study, runner: TrialRunner, space: SearchSpace, proposer: Proposer,
-                 baseline: TrialConfig, display: ProgressDisplay, budget: int,
+    """The loop. Its collaborators are contracts: a Runner (autotune/trial_contract.py), a Proposer,
+    setting steps and callbacks (autotune/tuning_steps.py)."""
+
+    def __init__(self, *, study: Study, runner: Runner, space: SearchSpace, proposer: Proposer,
+                 baseline: TrialConfig, note: Callable[[str], None], budget: int,
                  trial_timeout: float | None = None, startup_timeout: float | None = None,
                  rules_fired: Callable[[TrialSummary], list[str]] | None = None,
-                 exporter: Any | None = None, balancer: Any | None = None, checkpointing: Any | None = None,
+                 steps: Sequence[SettingStep] = (), callbacks: Sequence[TunerCallback] = (),
                  stop_early: bool = True) -> None:
         self.study, self.runner, self.space, self.proposer = study, runner, space, proposer
-        self.balancer = balancer
-        """A model-setting step around the search: the partition (autotune/balance.py,
-        --balance-stages) or the user's mapped knobs (autotune/usercmd/knobs.py, --knob)."""
-        self.checkpointing = checkpointing
-        """The checkpoint step: an out-of-memory micro-batch again with activation checkpointing
-        (autotune/checkpoint_step.py)."""
-        self.baseline, self.display, self.budget = baseline, display, budget
+        self.steps = list(steps)
+        """The model-setting steps around the search, in the order they propose: the checkpoint
+        step, the partition rounds, the knob sweep (autotune/tuning_steps.py)."""
+        self.outputs = StudyOutputs(study, runner)
+        self.callbacks = [*callbacks, self.outputs]
+        """The display, the live metrics, and the study's output files, in that order."""
+        self.baseline, self.note, self.budget = baseline, note, budget
         self.trial_timeout = trial_timeout
         self.startup_timeout = startup_timeout
         """The user's limits (--trial-timeout, --startup-timeout); None: from the measured trials
@@ -106,16 +108,22 @@ class Tuner:
         self._startup_hang: str | None = None
         """Where the last trial hung in its start-up, if it did: the same place twice stops the run."""
         self.rules_fired = rules_fired
-        self.exporter = exporter
         self.stop_early = stop_early
         """The budget as a cap: stop once the proposer says the search has converged
         (autotune/search_stop.py); False with --full-budget."""
         self._held: dict[int, tuple[TrialConfig, TrialResult]] = {}
-        """Results not told to the proposer yet: held while the partition step or the knob sweep
-        decides which of the baseline's key's measurements holds (autotune/balance.py `superseded`)."""
+        """Results not told to the proposer yet: held while a setting step decides which of the
+        measurements of the configuration it re-runs holds (autotune/measurements.py `superseded`)."""
 
     # -- the loop -------------------------------------------------------------
     def run(self) -> TuneResult:
+        try:
+            return self._loop()
+        finally:
+            for callback in self.callbacks:
+                callback.run_ended()
+
+    def _loop(self) -> TuneResult:
         with _stop_on_signals():
             try:
                 redo = self._recover()
@@ -126,23 +134,23 @@ class Tuner:
                     self._run_one(proposal)
             except AutotuneError:  # the run cannot go on (a build holds a lock, start-up stalls)
                 self.study.interrupt_running()
-                self._write()
+                self.outputs.write()
                 raise
             except KeyboardInterrupt as exc:
                 signum = exc.signum if isinstance(exc, Stopped) else signal.SIGINT
                 for sig in (signal.SIGINT, signal.SIGTERM):  # the cleanup is not cut short
                     signal.signal(sig, signal.SIG_IGN)
                 self.study.interrupt_running()
-                summary = self._write()
-                self.display.note(f"interrupted ({signal.Signals(signum).name}): the running trial was "
+                summary = self.outputs.write()
+                self.note(f"interrupted ({signal.Signals(signum).name}): the running trial was "
                                   "stopped; the study is consistent and the best configuration so far "
                                   "is written. Resume with --resume.")
                 return TuneResult(summary=summary, interrupted=True, exit_code=128 + int(signum))
-        getattr(self.runner, "begin_close", lambda: None)()  # the ranks exit while the outputs are written
-        summary = self._write()
+        self.runner.begin_close()  # the ranks exit while the outputs are written
+        summary = self.outputs.write()
         from autotune.report_html import at_end_of_run
 
-        at_end_of_run(self.study, self.display.note)  # report.html, or one note saying why not
+        at_end_of_run(self.study, self.note)  # report.html, or one note saying why not
         return TuneResult(summary=summary)
 
     def _marker(self, number: int) -> str:
@@ -165,14 +173,12 @@ class Tuner:
             self.study.interrupt(t.id)
         finished = self.study.counted()
         if finished or left:
-            self.display.note(f"resuming: {len(finished)} finished trial(s) kept, "
+            self.note(f"resuming: {len(finished)} finished trial(s) kept, "
                               f"{len(left)} interrupted trial(s) will be run again")
         done = {t.number for t in finished}
         interrupted = [t for t in self.study.trials() if t.status == STATUS_INTERRUPTED]
-        if self.balancer is not None:
-            self.balancer.replay(finished, [t for t in interrupted if t.number not in done], budget=self.budget)
-        if self.checkpointing is not None:
-            self.checkpointing.replay(finished, [t for t in interrupted if t.number not in done])
+        for step in self.steps:
+            step.replay(finished, [t for t in interrupted if t.number not in done], self.budget)
         for t in finished:  # after the replay: told as an uninterrupted run told them
             self._held[t.number] = (t.config, _result_from_row(t))
         self._tell_settled()
@@ -196,15 +202,15 @@ class Tuner:
         ports = leftover_ports(marker) | ({t.master_port} if t.master_port is not None else set())
         found = stop_leftovers(t.pgid, marker)
         if found:
-            self.display.note(f"stopped {found} leftover process(es) of interrupted trial {t.number}")
-        cluster = getattr(self.runner, "cluster", None)
+            self.note(f"stopped {found} leftover process(es) of interrupted trial {t.number}")
+        cluster = self.runner.cluster
         if cluster is not None and cluster.multi_node:  # the other nodes' ranks, found by the same marker
             from autotune.multinode import stop_on_nodes
 
             for port in ports or {None}:
                 missed = stop_on_nodes(cluster, marker, master_port=port)
             if missed:
-                self.display.note(f"could not reach {', '.join(missed)} to stop trial {t.number}'s ranks there")
+                self.note(f"could not reach {', '.join(missed)} to stop trial {t.number}'s ranks there")
         for port in ports:
             remove_shm_buffers(port)
 
@@ -216,78 +222,64 @@ class Tuner:
         numbers = [t.number for t in self.study.trials()]
         number = max(numbers) + 1 if numbers else 0
         if not any(t.number == 0 for t in self.study.counted()) and 0 not in numbers:
-            return 0, Proposal(config=self.baseline, source="baseline",
+            return 0, Proposal(config=self.baseline, source=BASELINE,
                                reason="the starting configuration, measured as the reference")
-        # the model-setting steps' trials first: each follows from the trial just finished
-        balanced = ((self.checkpointing.next_proposal() if self.checkpointing is not None else None)
-                    or (self.balancer.next_proposal() if self.balancer is not None else None))
-        if balanced is None:
+        # the setting steps' trials first: each follows from the trial just finished
+        queued = next((p for step in self.steps if (p := step.next_proposal()) is not None), None)
+        if queued is None:
             stopped = search_stop.check(self.study, self.proposer, self.budget, enabled=self.stop_early)
             if stopped is not None:
-                self.display.note(search_stop.describe(stopped))
+                self.note(search_stop.describe(stopped))
                 return None
-        return number, balanced or self.proposer.ask()
+        return number, queued or self.proposer.ask()
 
     def _run_one(self, item: tuple[int, Proposal]) -> None:
         number, proposal = item
         cfg = proposal.config
         trial_id = self.study.start_trial(number, cfg, proposal.source, proposal.reason)
         crash_point("after-start", number)
-        if self.exporter is not None:
-            self.exporter.trial_started(number, cfg)
 
-        def record_group(proc: Any) -> None:
+        def record_group(proc: TrialProcess) -> None:
             self.study.set_launch(trial_id, proc.pgid, proc.master_port)
             crash_point("during-trial", number)
 
-        if self.balancer is not None:
-            self.balancer.before(number, proposal)
-        incumbent = self._incumbent(proposal)
         limits = self._limits(cfg)
-        with self.display.running(number, cfg, proposal.source):
-            outcome = self.runner.run(number, cfg, self.study.trial_dir(number), timeout=limits.timeout,
-                                      on_start=record_group, incumbent=incumbent, stall=limits.stall)
+        request = TrialRequest(number=number, config=cfg, trial_dir=self.study.trial_dir(number),
+                               timeout=limits.timeout, stall=limits.stall, incumbent=self._incumbent(proposal),
+                               on_start=record_group)
+        for step in self.steps:
+            step.prepare(request, proposal.kind)
+        earlier = [t.samples_per_second for t in self.study.counted()
+                   if t.status == STATUS_OK and t.samples_per_second]
+        for callback in self.callbacks:
+            callback.trial_started(number, proposal)
+        outcome = self.runner.run(request)
+        result = outcome.result
         fired = self.rules_fired(outcome.summary) if (self.rules_fired and outcome.summary) else []
         crash_point("before-finish", number)
         self.study.finish_trial(
-            trial_id, status=outcome.result.status,
-            samples_per_second=outcome.result.samples_per_second if outcome.result.ok else None,
-            failure_reason=outcome.result.failure_reason, failure_detail=outcome.failure_detail,
+            trial_id, status=result.status,
+            samples_per_second=result.samples_per_second if result.ok else None,
+            failure_reason=result.failure_reason, failure_detail=outcome.failure_detail,
             summary=outcome.summary.to_dict() if outcome.summary else None,
             rules_fired=fired, wall_seconds=outcome.wall_seconds,
         )
         crash_point("after-finish", number)
         best = self.study.best()
-        is_best = best is not None and best.number == number and outcome.result.ok
-        # the trial's row and its own notes first, then what the model-setting steps decided from it
-        self.display.trial_row(number, cfg, proposal.source, outcome.result.status, outcome.summary,
-                               _failure_text(outcome), is_best)
-        if outcome.summary is not None and outcome.summary.stopped_early and incumbent is not None:
-            self.display.note(f"      stopped early: after {outcome.summary.steps} measured steps its median "
-                              f"step's interval lies below the best trial's {incumbent[0]:.1f} samples/s by "
-                              f"more than the {incumbent[1]:.0%} noise margin")
-        if not outcome.result.ok:
-            log = self.study.trial_dir(number) / "launcher.log"
-            self.display.note(f"      failed ({outcome.result.failure_reason}): "
-                              f"{outcome.failure_detail or 'no detail'}; log kept in {log}")
-        if proposal.reason and proposal.source not in ("baseline",):
-            self.display.note(f"      why: {proposal.reason}")
-        if self.balancer is not None:
-            self.balancer.after(number, proposal, outcome.result.ok, outcome.result.samples_per_second,
-                                outcome.summary, is_best=is_best, room=self.budget - len(self.study.counted()))
-        if self.checkpointing is not None:
-            earlier = [t.samples_per_second for t in self.study.counted()
-                       if t.number != number and t.status == STATUS_OK and t.samples_per_second]
-            self.checkpointing.after(number, cfg, proposal.source, outcome.result.ok,
-                                     outcome.result.failure_reason, outcome.result.samples_per_second,
-                                     max(earlier) if earlier else None)
-        self._held[number] = (cfg, outcome.result)
+        end = TrialEnd(number=number, proposal=proposal, ok=result.ok,
+                       samples_per_second=result.samples_per_second, failure_reason=result.failure_reason,
+                       summary=outcome.summary, is_best=best is not None and best.number == number and result.ok,
+                       room=self.budget - len(self.study.counted()), earlier_best=max(earlier) if earlier else None,
+                       incumbent=request.incumbent)
+        # the trial's row and its own notes first, then what the setting steps decide from it
+        for callback in self.callbacks[:-1]:  # the outputs last: after the steps and the proposer
+            callback.trial_finished(end, outcome, fired)
+        for step in self.steps:
+            step.after(end)
+        self._held[number] = (cfg, result)
         self._tell_settled()
         self._check_startup_hang(outcome)
-        if self.exporter is not None:
-            self.exporter.trial_finished(number, cfg, outcome.result.status,
-                                         outcome.result.samples_per_second, outcome.summary, fired)
-        self._write()
+        self.outputs.trial_finished(end, outcome, fired)
 
     def _tell_settled(self) -> None:
         """Tell the proposer the held results, unless the partition step or knob sweep is still deciding.
@@ -297,7 +289,7 @@ class Tuner:
         partition later trials run (a failed or slower partition trial is not a run of the
         configuration; a kept one replaces the runs before it: autotune/measurements.py). Checkpointed trials are never
         told: the proposers' encoding has no checkpoint interval (autotune/checkpoint_step.py)."""
-        if getattr(self.balancer, "deciding", False):
+        if any(step.deciding for step in self.steps):
             return
         from autotune.measurements import superseded
 
@@ -307,19 +299,19 @@ class Tuner:
             if n not in stale and not cfg.activation_checkpoint_interval:
                 self.proposer.tell(cfg, result)
 
-    def _incumbent(self, proposal: Proposal) -> tuple[float, float] | None:
+    def _incumbent(self, proposal: Proposal) -> Incumbent | None:
         """(samples/s, noise margin) of the best trial so far: with adaptive steps a trial that
         cannot plausibly beat it stops early (autotune/step_budget.py). None for the baseline and
         for any re-measurement (remeasure, confirm, recheck, a configuration measured before):
         those runs exist to measure in full."""
-        if proposal.source in MEASURED_IN_FULL:
+        if proposal.kind.measured_in_full:
             return None
         best = self.study.best()
         if best is None or not best.samples_per_second:
             return None
         if any(t.config.key() == proposal.config.key() for t in self.study.counted()):
             return None
-        return float(best.samples_per_second), float(getattr(self.proposer, "noise", DEFAULT_NOISE))
+        return Incumbent(float(best.samples_per_second), float(getattr(self.proposer, "noise", DEFAULT_NOISE)))
 
     def _limits(self, config: TrialConfig) -> TrialLimits:
         return limits_for(config, self.study.trials(), trial_timeout=self.trial_timeout,
@@ -337,11 +329,6 @@ class Tuner:
             raise StartupStalls(f"two trials in a row stalled in their ranks' start-up {where}; every trial "
                                 "would: fix that, then resume with --resume")
         self._startup_hang = where
-
-    def _write(self) -> dict[str, Any]:
-        best = self.study.best()
-        best_cfg = self.runner.ds_config_for(best.config) if best else None
-        return write_outputs(self.study, best_cfg)
 
 
 def _result_from_row(t: TrialRow) -> TrialResult:

@@ -34,7 +34,8 @@ from pathlib import Path
 from autotune.options import RunOptions, WorkloadOptions
 from autotune.space import TrialConfig
 from autotune.starting_point import load_base_config
-from autotune.trial import TrialRunner
+from autotune.trial import BuiltinRunner, builtin_runner
+from autotune.trial_contract import TrialRequest
 
 
 def cv(xs: list[float]) -> float:
@@ -42,8 +43,8 @@ def cv(xs: list[float]) -> float:
     return statistics.stdev(xs) / statistics.mean(xs) if len(xs) > 1 else 0.0
 
 
-def measure(runner: TrialRunner, n: int, cfg: TrialConfig, folder: Path) -> dict:
-    o = runner.run(n, cfg, folder, timeout=900)
+def measure(runner: BuiltinRunner, n: int, cfg: TrialConfig, folder: Path) -> dict:
+    o = runner.run(TrialRequest(number=n, config=cfg, trial_dir=folder, timeout=900))
     if not o.result.ok:
         raise SystemExit(f"trial {folder} failed: {o.result.failure_reason}: {o.failure_detail}")
     s = o.summary
@@ -79,12 +80,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"configuration: {cfg.describe()}, {args.stages} stages x {args.dp} dp, {args.steps} fixed steps "
           f"after {args.warmup_steps} warm-up; {args.n * args.pools} fresh launches, {args.pools} warm "
           f"pool(s) x {args.n} trials, alternated", flush=True)
-    fresh_runner = TrialRunner(WorkloadOptions(**wl, workers="fresh"), base)
+    fresh_runner = builtin_runner(WorkloadOptions(**wl, workers="fresh"), base)
     fresh: list[dict] = []
     warm: list[list[dict]] = []
     k = 0
     for p in range(args.pools):
-        pool = TrialRunner(WorkloadOptions(**wl, workers="warm"), base)
+        pool = builtin_runner(WorkloadOptions(**wl, workers="warm"), base)
         warm.append([])
         try:
             for i in range(args.n):

@@ -58,7 +58,8 @@ from autotune.partition import balanced_parts, describe_moves, imbalance, stage_
 from autotune.pipeline_parts import method_for
 from autotune.space import TrialConfig
 from autotune.summary import summarize_trial
-from autotune.trial import TrialRunner
+from autotune.trial import builtin_runner
+from autotune.trial_contract import TrialRequest
 from autotune.workers import MAX_JOBS_PER_POOL
 from autotune.workload.trial_spec import SPEC_NAME, TrialSpec
 
@@ -114,7 +115,7 @@ class FreshTrials:
 
 
 class WarmTrials:
-    """Every trial a job of one pool of warm workers, through the tuner's own TrialRunner: the
+    """Every trial a job of one pool of warm workers, through the tuner's own warm runner: the
     partition (and the hooks) change by swapping the runner's workload, as autotune/balance.py does."""
 
     def __init__(self, root: Path, stages: int, args: argparse.Namespace) -> None:
@@ -122,7 +123,7 @@ class WarmTrials:
         self.stages = stages
         wl = WorkloadOptions(preset=args.preset, pipeline_stages=stages, data_parallel_size=1, steps=args.steps,
                              warmup_steps=args.warmup, adaptive_steps=False, workers="warm")
-        self.runner = TrialRunner(wl, DsConfig.from_dict(ds_config(args.micro, args.gas), source="benchmark"),
+        self.runner = builtin_runner(wl, DsConfig.from_dict(ds_config(args.micro, args.gas), source="benchmark"),
                                   note=lambda text: print(text, flush=True))
         self.config = TrialConfig(micro_batch_size=args.micro, gradient_accumulation_steps=args.gas)
         self.number = 0
@@ -132,7 +133,7 @@ class WarmTrials:
                                                    layer_costs=layer_costs)
         folder = self.folder / name
         shutil.rmtree(folder, ignore_errors=True)
-        outcome = self.runner.run(self.number, self.config, folder, timeout=TIMEOUT)
+        outcome = self.runner.run(TrialRequest(number=self.number, config=self.config, trial_dir=folder, timeout=TIMEOUT))
         self.number += 1
         if not outcome.result.ok or outcome.summary is None:
             raise SystemExit(f"trial {name} ({self.stages} stages) failed: {outcome.result.failure_reason}: "

@@ -32,7 +32,8 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 from autotune.dsconfig import DsConfig  # noqa: E402
 from autotune.options import WorkloadOptions  # noqa: E402
 from autotune.space import TrialConfig  # noqa: E402
-from autotune.trial import TrialRunner  # noqa: E402
+from autotune.trial import builtin_runner  # noqa: E402
+from autotune.trial_contract import TrialRequest  # noqa: E402
 from autotune.workers import MAX_JOBS_PER_POOL  # noqa: E402
 
 CONFIG = {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 8,
@@ -41,12 +42,12 @@ CONFIG = {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 2, "gradient
 
 def one_run(trials: int, steps: int, root: Path, preset: str = "tiny", stages: int = 4) -> list[float]:
     wl = WorkloadOptions(preset=preset, pipeline_stages=stages, data_parallel_size=1, steps=steps, warmup_steps=2)
-    runner = TrialRunner(wl, DsConfig.from_dict(CONFIG))
+    runner = builtin_runner(wl, DsConfig.from_dict(CONFIG))
     cfg = TrialConfig(micro_batch_size=2, gradient_accumulation_steps=8)
     out = []
     try:
         for i in range(trials):
-            o = runner.run(i, cfg, root / f"t{i:03d}", timeout=900)
+            o = runner.run(TrialRequest(number=i, config=cfg, trial_dir=root / f"t{i:03d}", timeout=900))
             if not o.result.ok:
                 raise SystemExit(f"trial {i} failed: {o.failure_detail}")
             out.append(o.result.samples_per_second)

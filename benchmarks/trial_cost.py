@@ -35,7 +35,8 @@ from autotune.loaders.metrics import read_trial_columns
 from autotune.options import RunOptions, WorkloadOptions
 from autotune.space import TrialConfig
 from autotune.starting_point import load_base_config
-from autotune.trial import TrialRunner
+from autotune.trial import builtin_runner
+from autotune.trial_contract import TrialRequest
 
 QUICK_ARGS = ["--dp", "1", "--steps", "2", "--warmup-steps", "1"]
 MODE_ARGS = {
@@ -133,13 +134,13 @@ def main(argv: list[str] | None = None) -> int:
     wl = WorkloadOptions(workers="fresh")
     if args.quick:
         wl.data_parallel_size, wl.steps, wl.warmup_steps = 1, 2, 1
-    runner = TrialRunner(wl, load_base_config(RunOptions(workload=wl)))
+    runner = builtin_runner(wl, load_base_config(RunOptions(workload=wl)))
     picks = {mode: config_of(next(x for x in runs if x["mode"] == mode)["best"]) for mode in modes}
     again: dict[str, list[float]] = {m: [] for m in modes}
     n = 0
     for _ in range(args.repeats):
         for mode in modes:
-            o = runner.run(n, picks[mode], out / "remeasure" / f"trial-{n:03d}", timeout=900)
+            o = runner.run(TrialRequest(number=n, config=picks[mode], trial_dir=out / "remeasure" / f"trial-{n:03d}", timeout=900))
             again[mode].append(o.result.samples_per_second if o.result.ok else 0.0)
             n += 1
     for mode in modes:

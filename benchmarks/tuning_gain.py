@@ -29,11 +29,12 @@ from pathlib import Path
 from autotune.options import RunOptions
 from autotune.space import TrialConfig
 from autotune.starting_point import baseline_config, build_space, load_base_config
-from autotune.trial import TrialRunner
+from autotune.trial import BuiltinRunner, builtin_runner
+from autotune.trial_contract import TrialRequest
 
 
-def run_trial(runner: TrialRunner, cfg: TrialConfig, folder: Path, n: int) -> float:
-    out = runner.run(n, cfg, folder / f"trial-{n:03d}", timeout=900)
+def run_trial(runner: BuiltinRunner, cfg: TrialConfig, folder: Path, n: int) -> float:
+    out = runner.run(TrialRequest(number=n, config=cfg, trial_dir=folder / f"trial-{n:03d}", timeout=900))
     return out.result.samples_per_second if out.result.ok else 0.0
 
 
@@ -78,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     opts = quick_workload(RunOptions()) if args.quick else RunOptions()
     base = load_base_config(opts)
     space = build_space(opts, base)
-    runner = TrialRunner(opts.workload, base)
+    runner = builtin_runner(opts.workload, base)
     grid = space.grid(bucket_points=4)
     if args.quick:  # one point (the largest micro-batch): the sweep's code path, not its coverage
         grid = grid[-1:]

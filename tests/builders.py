@@ -120,3 +120,37 @@ class RecordingDisplay:
 
     def trial_row(self, *a, **k) -> None:
         pass
+
+
+class ScriptedRunner:
+    """The trial contract's shape (autotune/trial_contract.py) for tests that drive a Tuner without
+    processes: a subclass answers `answer(request)`; nothing outlives a trial."""
+
+    cluster = None
+
+    def begin_close(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def ds_config_for(self, config) -> dict:
+        return {"train_micro_batch_size_per_gpu": config.micro_batch_size,
+                "gradient_accumulation_steps": config.gradient_accumulation_steps}
+
+    def run(self, request):
+        return self.answer(request)
+
+    def answer(self, request):
+        raise NotImplementedError
+
+
+def run_trial(runner, number: int, config, trial_dir, *, timeout: float, incumbent=None, **request):
+    """One trial through the trial contract, the old positional way round (`incumbent`: a
+    (samples/s, noise) pair)."""
+    from pathlib import Path
+
+    from autotune.trial_contract import Incumbent, TrialRequest
+
+    return runner.run(TrialRequest(number=number, config=config, trial_dir=Path(trial_dir), timeout=timeout,
+                                   incumbent=Incumbent(*incumbent) if incumbent else None, **request))

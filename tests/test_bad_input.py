@@ -26,7 +26,8 @@ from autotune.launcher import group_alive, processes_with, stop_leftovers
 from autotune.options import WorkloadOptions
 from autotune.space import TrialConfig
 from autotune.study import STATUS_OK, Study, stored_budget
-from autotune.trial import TrialRunner
+from autotune.trial import builtin_runner
+from autotune.trial_contract import TrialRequest
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -225,8 +226,10 @@ def test_fault_specs(tmp_path):
         with pytest.raises(UserError):
             parse_faults(bad)
     wl = WorkloadOptions(faults="oom@1,nolauncher@2")
-    runner = TrialRunner(wl, DsConfig.from_dict({"train_micro_batch_size_per_gpu": 1}))
-    told = {n: runner.describe(n, tmp_path / f"trial-{n}").fault for n in (0, 1, 2)}
+    runner = builtin_runner(wl, DsConfig.from_dict({"train_micro_batch_size_per_gpu": 1}))
+    told = {n: runner.describe(TrialRequest(number=n, config=TrialConfig(micro_batch_size=1, gradient_accumulation_steps=1),
+                                            trial_dir=tmp_path / f"trial-{n}", timeout=60.0),
+                               tmp_path / f"trial-{n}").fault for n in (0, 1, 2)}
     assert told[1] == "oom"
     assert told[2] is None  # a controller-side fault never reaches the rank
     assert told[0] is None

@@ -1,13 +1,14 @@
 """The partition step of a tuning run (autotune/balance.py), decision by decision, without DeepSpeed.
 
 The layer costs are real layer-cost files in a real study folder; the runner is the built-in
-TrialRunner (nothing is launched: only its workload is read and replaced)."""
+BuiltinRunner (nothing is launched: only the workload a request gives it is read)."""
 
 from __future__ import annotations
 
 import json
 
 from builders import healthy_summary
+from step_driver import Driven
 
 from autotune.balance import COSTS, RECHECK, REFERENCE, SOURCE, StageBalancer, describe_result
 from autotune.dsconfig import DsConfig
@@ -16,7 +17,7 @@ from autotune.measurements import superseded
 from autotune.options import WorkloadOptions
 from autotune.proposers.base import Proposal
 from autotune.space import TrialConfig
-from autotune.trial import TrialRunner
+from autotune.trial import BuiltinRunner
 
 CFG = TrialConfig(micro_batch_size=2, gradient_accumulation_steps=4)
 BIG = TrialConfig(micro_batch_size=8, gradient_accumulation_steps=1)
@@ -36,27 +37,27 @@ def _costs(folder, parts, costs, *, activation=1, peaks=None, kind="process_max_
 
 def _runner():
     wl = WorkloadOptions(preset="tiny", pipeline_stages=2, partition_method="uniform", workers="fresh")
-    return TrialRunner(wl, DsConfig.from_dict({"train_micro_batch_size_per_gpu": 2,
+    return BuiltinRunner(wl, DsConfig.from_dict({"train_micro_batch_size_per_gpu": 2,
                                                "gradient_accumulation_steps": 4}))
 
 
 def test_unbalanced_baseline_gets_one_partition_trial_kept_when_faster(tmp_path):
     _costs(tmp_path / "trial-000", [0, 3, 6], [1, 1, 1, 1, 1, 4])
     runner = _runner()
-    b = StageBalancer(runner, tmp_path, note=lambda _: None)
+    b = Driven(StageBalancer(tmp_path, note=lambda _: None, method="uniform"))
     base = Proposal(config=CFG, source="baseline")
-    b.before(0, base)
-    assert runner.workload.layer_costs and runner.workload.partition_method == "uniform"
+    wl = runner.workload_for(b.before(0, base))
+    assert wl.layer_costs and wl.partition_method == "uniform"
     b.after(0, base, True, 10.0, healthy_summary(stage_compute_imbalance=1.4, slowest_stage=1))
     p = b.next_proposal()
     assert p is not None and p.source == SOURCE and p.config == CFG and "stage 1" in p.reason
     assert b.next_proposal() is None  # once
-    b.before(1, p)
-    assert runner.workload.partition_method == "parts:0,4,6" and runner.workload.layer_costs
+    wl = runner.workload_for(b.before(1, p))
+    assert wl.partition_method == "parts:0,4,6" and wl.layer_costs
     b.after(1, p, True, 12.0, healthy_summary())
     later = Proposal(config=CFG, source="bayes")
-    b.before(2, later)
-    assert runner.workload.partition_method == "parts:0,4,6" and not runner.workload.layer_costs
+    wl = runner.workload_for(b.before(2, later))
+    assert wl.partition_method == "parts:0,4,6" and not wl.layer_costs
     decision = json.loads((tmp_path / "partition.json").read_text())
     assert decision["decision"] == "kept" and decision["parts"] == [0, 4, 6]
     assert decision["measured_parts"] == [0, 3, 6] and "layer 3" in decision["rounds"][0]["moves"]
@@ -67,36 +68,36 @@ def test_a_kept_partition_still_unbalanced_gets_one_more_round_from_its_own_cost
     _costs(tmp_path / "trial-000", [0, 3, 6], [1, 1, 1, 1, 1, 4])
     _costs(tmp_path / "trial-001", [0, 4, 6], [2, 2, 2, 2, 1, 3])  # stage 0 dearer than predicted
     runner = _runner()
-    b = StageBalancer(runner, tmp_path, note=lambda _: None)
+    b = Driven(StageBalancer(tmp_path, note=lambda _: None, method="uniform"))
     base = Proposal(config=CFG, source="baseline")
     b.after(0, base, True, 10.0, healthy_summary(stage_compute_imbalance=1.4, slowest_stage=1))
     p1 = b.next_proposal()
     b.after(1, p1, True, 12.0, healthy_summary(stage_compute_imbalance=1.3, slowest_stage=0))
     p2 = b.next_proposal()
     assert p2 is not None and p2.source == SOURCE and "trial 1" in p2.reason
-    b.before(2, p2)
-    second = runner.workload.partition_method
+    wl = runner.workload_for(b.before(2, p2))
+    second = wl.partition_method
     assert second.startswith("parts:") and second != "parts:0,4,6"
     b.after(2, p2, True, 9.0, healthy_summary(stage_compute_imbalance=1.2, slowest_stage=0))
     assert b.next_proposal() is None  # slower by more than the noise margin: rejected, no recheck
-    b.before(3, Proposal(config=CFG, source="bayes"))
-    assert runner.workload.partition_method == "parts:0,4,6"  # the faster of the two stays
+    wl = runner.workload_for(b.before(3, Proposal(config=CFG, source="bayes")))
+    assert wl.partition_method == "parts:0,4,6"  # the faster of the two stays
 
 
 def test_a_slower_partition_is_dropped_and_a_balanced_baseline_is_left_alone(tmp_path):
     _costs(tmp_path / "trial-000", [0, 3, 6], [1, 1, 1, 1, 1, 4])
     runner = _runner()
-    b = StageBalancer(runner, tmp_path, note=lambda _: None)
+    b = Driven(StageBalancer(tmp_path, note=lambda _: None, method="uniform"))
     base = Proposal(config=CFG, source="baseline")
     b.after(0, base, True, 10.0, healthy_summary(stage_compute_imbalance=1.4, slowest_stage=1))
     p = b.next_proposal()
     b.after(1, p, True, 8.0, healthy_summary())
-    b.before(2, Proposal(config=CFG, source="bayes"))
-    assert runner.workload.partition_method == "uniform"
+    wl = runner.workload_for(b.before(2, Proposal(config=CFG, source="bayes")))
+    assert wl.partition_method == "uniform"
     decision = json.loads((tmp_path / "partition.json").read_text())
     assert decision["decision"] == "rejected" and decision["parts"] is None
 
-    other = StageBalancer(_runner(), tmp_path / "b", note=lambda _: None)
+    other = Driven(StageBalancer(tmp_path / "b", note=lambda _: None, method="uniform"))
     (tmp_path / "b").mkdir()
     other.after(0, base, True, 10.0, healthy_summary(stage_compute_imbalance=1.05))
     assert other.next_proposal() is None
@@ -110,12 +111,12 @@ def test_a_resume_rebuilds_the_decision_from_the_study(tmp_path):
         number=n, status="ok", source=source, config=CFG, samples_per_second=sps,
         summary=healthy_summary(stage_compute_imbalance=1.4, slowest_stage=1).to_dict())
     runner = _runner()
-    b = StageBalancer(runner, tmp_path, note=lambda _: None)
+    b = Driven(StageBalancer(tmp_path, note=lambda _: None, method="uniform"))
     b.replay([row(0, "baseline", 10.0), row(1, SOURCE, 12.0)], [])
     assert b.next_proposal() is None
-    b.before(2, Proposal(config=CFG, source="bayes"))
-    assert runner.workload.partition_method == "parts:0,4,6"
-    half = StageBalancer(_runner(), tmp_path, note=lambda _: None)
+    wl = runner.workload_for(b.before(2, Proposal(config=CFG, source="bayes")))
+    assert wl.partition_method == "parts:0,4,6"
+    half = Driven(StageBalancer(tmp_path, note=lambda _: None, method="uniform"))
     half.replay([row(0, "baseline", 10.0)], [])
     assert half.next_proposal().source == SOURCE  # baseline done, partition trial not yet
 
@@ -126,7 +127,7 @@ def _gpu_baseline(tmp_path, capacity):
     _costs(tmp_path / "trial-000", [0, 3, 6], [1, 1, 1, 1, 1, 4], activation=10**9,
            peaks=[7e9 + 48, 4e9 + 48], kind="cuda_max_allocated")
     notes: list[str] = []
-    b = StageBalancer(_runner(), tmp_path, note=notes.append)
+    b = Driven(StageBalancer(tmp_path, note=notes.append, method="uniform"))
     b.after(0, Proposal(config=CFG, source="baseline"), True, 10.0,
             healthy_summary(stage_compute_imbalance=1.4, slowest_stage=1, memory_capacity_bytes=capacity))
     return b, notes, json.loads((tmp_path / "partition.json").read_text())
@@ -154,7 +155,7 @@ def _unbalanced(imbalance=1.4):
 
 def test_a_balanced_baseline_gets_a_round_at_the_best_trial_when_that_one_is_unbalanced(tmp_path):
     runner = _runner()
-    b = StageBalancer(runner, tmp_path, note=lambda _: None)
+    b = Driven(StageBalancer(tmp_path, note=lambda _: None, method="uniform"))
     (tmp_path / "trial-000").mkdir()
     b.after(0, Proposal(config=CFG, source="baseline"), True, 10.0, _unbalanced(1.05))
     assert b.next_proposal() is None and not b.deciding  # balanced at micro 2
@@ -167,14 +168,14 @@ def test_a_balanced_baseline_gets_a_round_at_the_best_trial_when_that_one_is_unb
     assert b.deciding  # the tuner holds trial 3's result until the round decides
     costs = b.next_proposal()
     assert costs.source == COSTS and costs.config == BIG and "trial 3 is the best" in costs.reason
-    b.before(4, costs)
-    assert runner.workload.layer_costs and runner.workload.partition_method == "uniform"
+    wl = runner.workload_for(b.before(4, costs))
+    assert wl.layer_costs and wl.partition_method == "uniform"
     _costs(tmp_path / "trial-004", [0, 3, 6], [1, 1, 1, 1, 1, 4])
     b.after(4, costs, True, 18.0, _unbalanced(1.4), room=1)
     p = b.next_proposal()
     assert p.source == SOURCE and p.config == BIG and "trial 4" in p.reason
-    b.before(5, p)
-    assert runner.workload.partition_method == "parts:0,4,6" and runner.workload.layer_costs
+    wl = runner.workload_for(b.before(5, p))
+    assert wl.partition_method == "parts:0,4,6" and wl.layer_costs
     b.after(5, p, True, 24.0, healthy_summary(stage_compute_imbalance=1.04), room=0)
     assert b.next_proposal() is None and not b.deciding
     b.after(6, search, True, 24.0, _unbalanced(1.4), is_best=True, room=9)
@@ -191,19 +192,19 @@ def test_a_balanced_baseline_gets_a_round_at_the_best_trial_when_that_one_is_unb
 def test_a_pair_within_the_noise_margin_is_measured_again_in_the_order_abba(tmp_path):
     _costs(tmp_path / "trial-000", [0, 3, 6], [1, 1, 1, 1, 1, 4])
     runner = _runner()
-    b = StageBalancer(runner, tmp_path, note=lambda _: None, noise=0.10)
+    b = Driven(StageBalancer(tmp_path, note=lambda _: None, noise=0.10, method="uniform"))
     b.after(0, Proposal(config=CFG, source="baseline"), True, 10.0, _unbalanced())
     p = b.next_proposal()
     b.after(1, p, True, 10.5, healthy_summary(stage_compute_imbalance=1.02), room=5)  # +5 %: within the noise
     assert b.deciding
     again, ref = b.next_proposal(), b.next_proposal()
     assert (again.source, ref.source) == (RECHECK, REFERENCE) and b.deciding
-    b.before(2, again)
-    assert runner.workload.partition_method == "parts:0,4,6" and runner.workload.layer_costs
+    wl = runner.workload_for(b.before(2, again))
+    assert wl.partition_method == "parts:0,4,6" and wl.layer_costs
     b.after(2, again, True, 10.6, healthy_summary(stage_compute_imbalance=1.04), room=4)
     assert b.deciding  # the reference's second run decides
-    b.before(3, ref)
-    assert runner.workload.partition_method == "uniform" and runner.workload.layer_costs
+    wl = runner.workload_for(b.before(3, ref))
+    assert wl.partition_method == "uniform" and wl.layer_costs
     b.after(3, ref, True, 11.5, _unbalanced(), room=3)
     assert not b.deciding and b.next_proposal() is None
     r = json.loads((tmp_path / "partition.json").read_text())["rounds"][0]
@@ -218,13 +219,13 @@ def test_a_pair_within_the_noise_margin_is_measured_again_in_the_order_abba(tmp_
 
 def test_the_noise_recheck_needs_room_and_a_failed_recheck_rejects_at_once(tmp_path):
     _costs(tmp_path / "trial-000", [0, 3, 6], [1, 1, 1, 1, 1, 4])
-    b = StageBalancer(_runner(), tmp_path, note=lambda _: None)
+    b = Driven(StageBalancer(tmp_path, note=lambda _: None, method="uniform"))
     b.after(0, Proposal(config=CFG, source="baseline"), True, 10.0, _unbalanced())
     p = b.next_proposal()
     b.after(1, p, True, 10.5, healthy_summary(), room=1)
     assert b.next_proposal() is None and not b.deciding and b.kept == [0, 4, 6]  # decided on the one pair
 
-    c = StageBalancer(_runner(), tmp_path, note=lambda _: None)
+    c = Driven(StageBalancer(tmp_path, note=lambda _: None, method="uniform"))
     c.after(0, Proposal(config=CFG, source="baseline"), True, 10.0, _unbalanced())
     p = c.next_proposal()
     c.after(1, p, True, 10.5, healthy_summary(), room=5)
@@ -247,17 +248,17 @@ def _row(n, source, sps, status="ok", config=CFG, imbalance=1.4):
 def test_a_resume_in_the_middle_of_a_round_runs_only_what_is_left(tmp_path):
     _costs(tmp_path / "trial-000", [0, 3, 6], [1, 1, 1, 1, 1, 4])
     done = [_row(0, "baseline", 10.0), _row(1, SOURCE, 10.5, imbalance=1.02)]
-    b = StageBalancer(_runner(), tmp_path, note=lambda _: None)
+    b = Driven(StageBalancer(tmp_path, note=lambda _: None, method="uniform"))
     b.replay(done, [], budget=10)
     assert [b.next_proposal().source, b.next_proposal().source] == [RECHECK, REFERENCE]
-    c = StageBalancer(_runner(), tmp_path, note=lambda _: None)
+    c = Driven(StageBalancer(tmp_path, note=lambda _: None, method="uniform"))
     c.replay(done, [_row(2, RECHECK, None, "interrupted")], budget=10)
     assert c.next_proposal().source == REFERENCE and c.deciding  # the interrupted recheck runs as itself
-    d = StageBalancer(_runner(), tmp_path, note=lambda _: None)
+    d = Driven(StageBalancer(tmp_path, note=lambda _: None, method="uniform"))
     d.replay(done, [], budget=2)  # the budget left no room for the recheck when trial 1 ended
     assert d.next_proposal() is None and d.kept == [0, 4, 6]
     # resumed with a larger budget: trial 2 shows that the run decided on the one pair, and so does the replay
-    e = StageBalancer(_runner(), tmp_path, note=lambda _: None)
+    e = Driven(StageBalancer(tmp_path, note=lambda _: None, method="uniform"))
     e.replay([*done, _row(2, "bayes", 9.0, config=BIG, imbalance=1.05)], [], budget=20)
     assert e.next_proposal() is None and e.kept == [0, 4, 6] and not e.deciding
 
@@ -266,21 +267,21 @@ def test_a_resume_finds_the_round_the_best_trial_started(tmp_path):
     (tmp_path / "trial-000").mkdir()
     _costs(tmp_path / "trial-002", [0, 3, 6], [1, 1, 1, 1, 1, 4])
     done = [_row(0, "baseline", 10.0, imbalance=1.05), _row(1, "bayes", 20.0, config=BIG)]
-    b = StageBalancer(_runner(), tmp_path, note=lambda _: None)
+    b = Driven(StageBalancer(tmp_path, note=lambda _: None, method="uniform"))
     b.replay(done, [], budget=10)
     assert b.next_proposal().source == COSTS  # trial 1 was the best so far, unbalanced
-    c = StageBalancer(_runner(), tmp_path, note=lambda _: None)
+    c = Driven(StageBalancer(tmp_path, note=lambda _: None, method="uniform"))
     c.replay(done + [_row(2, COSTS, 19.0, config=BIG)], [], budget=10)
     p = c.next_proposal()
     assert p.source == SOURCE and p.config == BIG
     # the checkpoint step's trial ran first (it goes before this step's): the round still follows
     bigger = TrialConfig(micro_batch_size=16, gradient_accumulation_steps=1)
     _costs(tmp_path / "trial-003", [0, 3, 6], [1, 1, 1, 1, 1, 4])
-    f = StageBalancer(_runner(), tmp_path, note=lambda _: None)
+    f = Driven(StageBalancer(tmp_path, note=lambda _: None, method="uniform"))
     f.replay(done + [_row(2, "checkpoint", 8.0, config=bigger), _row(3, COSTS, 19.0, config=BIG)], [], budget=10)
     assert f.next_proposal().source == SOURCE
     slower = [_row(0, "baseline", 30.0, imbalance=1.05), _row(1, "bayes", 20.0, config=BIG)]
-    e = StageBalancer(_runner(), tmp_path, note=lambda _: None)
+    e = Driven(StageBalancer(tmp_path, note=lambda _: None, method="uniform"))
     e.replay(slower, [], budget=10)
     assert e.next_proposal() is None  # trial 1 was not the best: no round
 
@@ -291,7 +292,7 @@ def test_the_run_says_when_ranks_share_cores(tmp_path, monkeypatch):
         monkeypatch.setattr("os.sched_getaffinity", lambda _pid: set(range(cores)))
         _costs(folder / "trial-000", [0, 3, 6], [1, 1, 1, 1, 1, 4], kind=kind)
         notes: list[str] = []
-        b = StageBalancer(_runner(), folder, note=notes.append)
+        b = Driven(StageBalancer(folder, note=notes.append, method="uniform"))
         b.after(0, Proposal(config=CFG, source="baseline"), True, 10.0,
                 healthy_summary(stage_compute_imbalance=1.4, data_parallel_size=2))  # 2 stages x 2 dp
         return notes, json.loads((folder / "partition.json").read_text())

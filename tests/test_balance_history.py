@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import json
 
-from builders import RecordingDisplay, healthy_summary
+from builders import RecordingDisplay, ScriptedRunner, healthy_summary
 
 from autotune.balance import COSTS, SOURCE, StageBalancer, describe_result
+from autotune.dsconfig import DsConfig
 from autotune.judge import TrialOutcome, failed
 from autotune.layer_costs import rows_to_csv
 from autotune.measurements import superseded
@@ -25,6 +26,7 @@ from autotune.proposers.hybrid import HybridProposer
 from autotune.space import SearchSpace, TrialConfig
 from autotune.study import Study
 from autotune.study_outputs import render_markdown
+from autotune.trial import BuiltinRunner
 from autotune.tuner import Tuner
 
 BASE = TrialConfig(micro_batch_size=2, gradient_accumulation_steps=4)
@@ -47,7 +49,7 @@ def _layer_costs(folder) -> None:
         (folder / f"layer-costs-rank{s}.csv").write_text(rows_to_csv(rows))
 
 
-class ScriptedRunner:
+class AnsweringRunner(ScriptedRunner):
     """Trial N answers `answers[N]` (samples/s, or None: failed out of memory)."""
 
     def __init__(self, answers: dict[int, float | None], imbalances: dict[int, float] | None = None) -> None:
@@ -58,9 +60,11 @@ class ScriptedRunner:
                                         workers="fresh")
         self.methods: dict[int, str] = {}
 
-    def run(self, number, config, trial_dir, *, timeout, on_start=None, **_: object) -> TrialOutcome:
-        self.methods[number] = self.workload.partition_method
-        if self.workload.layer_costs:  # a hooked trial writes its layer costs, as a real one does
+    def answer(self, request) -> TrialOutcome:
+        number, trial_dir = request.number, request.trial_dir
+        workload = BuiltinRunner(self.workload, DsConfig()).workload_for(request)
+        self.methods[number] = workload.partition_method
+        if workload.layer_costs:  # a hooked trial writes its layer costs, as a real one does
             _layer_costs(trial_dir)
         sps = self.answers[number]
         if sps == "stop":  # Ctrl-C during this trial
@@ -103,13 +107,13 @@ def _tune(root, answers: dict[int, float | None], budget: int = 3, knobs: list[s
     from autotune.usercmd.knobs import KnobSweep, parse_knobs
 
     study = Study.open(root, create=not (root / "study.db").exists())
-    runner = KnobRunner(answers) if knobs else ScriptedRunner(answers, imbalances)
+    runner = KnobRunner(answers) if knobs else AnsweringRunner(answers, imbalances)
     proposer = RecordingProposer(_space())
-    balancer = (KnobSweep(runner, parse_knobs(knobs), study.root, lambda _: None) if knobs
-                else StageBalancer(runner, study.root, lambda _: None))
+    step = (KnobSweep(parse_knobs(knobs), runner.command.script_args, study.root, lambda _: None) if knobs
+            else StageBalancer(study.root, lambda _: None, method=runner.workload.partition_method))
     try:
         result = Tuner(study=study, runner=runner, space=_space(), proposer=proposer, baseline=BASE,
-                       display=RecordingDisplay(), budget=budget, balancer=balancer, stop_early=False).run()
+                       note=RecordingDisplay().note, budget=budget, steps=[step], stop_early=False).run()
         best = study.best()
     finally:
         study.close()
@@ -218,7 +222,7 @@ def test_the_built_in_parts_are_deepspeeds_own():
 
 # -- knob trials (`--knob`, autotune/usercmd/knobs.py) share the baseline's key the same way ------
 
-class KnobRunner(ScriptedRunner):
+class KnobRunner(AnsweringRunner):
     """A user's command with one flag per knob; trial N answers `answers[N]`."""
 
     def __init__(self, answers: dict[int, float | None]) -> None:
@@ -229,9 +233,9 @@ class KnobRunner(ScriptedRunner):
         self.knob_values: dict[str, str] = {}
         self.seen: dict[int, dict[str, str]] = {}
 
-    def run(self, number, config, trial_dir, **kw) -> TrialOutcome:
-        self.seen[number] = dict(self.knob_values)
-        return super().run(number, config, trial_dir, **kw)
+    def answer(self, request) -> TrialOutcome:
+        self.seen[request.number] = dict(request.knob_values)
+        return super().answer(request)
 
 
 KNOBS = ["partition_method:parameters,uniform=--partition {value}",

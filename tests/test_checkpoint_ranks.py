@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from builders import run_trial
 from robust_helpers import FAST, FAST_CONFIG, alive_under, start_cli, write_config
 from test_warm_workers import losses
 
@@ -14,7 +15,7 @@ from autotune.dsconfig import DsConfig
 from autotune.options import WorkloadOptions
 from autotune.space import TrialConfig
 from autotune.study import Study
-from autotune.trial import TrialRunner
+from autotune.trial import builtin_runner
 
 pytestmark = pytest.mark.slow
 
@@ -26,12 +27,12 @@ def test_a_checkpointed_trial_trains_to_the_same_losses_in_fresh_processes(tmp_p
     plain trial's. The embedding is not checkpointed (model.py): with DeepSpeed's default rule,
     which checkpoints it too, this trial crashed."""
     notes: list[str] = []
-    runner = TrialRunner(WorkloadOptions(data_parallel_size=1, steps=4, warmup_steps=1),
+    runner = builtin_runner(WorkloadOptions(data_parallel_size=1, steps=4, warmup_steps=1),
                          DsConfig.from_dict(FAST_CONFIG), note=notes.append)
     try:
-        plain = runner.run(0, A, tmp_path / "plain", timeout=900)
+        plain = run_trial(runner, 0, A, tmp_path / "plain", timeout=900)
         ckpt_cfg = TrialConfig(micro_batch_size=2, gradient_accumulation_steps=4, activation_checkpoint_interval=1)
-        ckpt = runner.run(1, ckpt_cfg, tmp_path / "ckpt", timeout=900)
+        ckpt = run_trial(runner, 1, ckpt_cfg, tmp_path / "ckpt", timeout=900)
     finally:
         runner.close()
     assert plain.result.ok and ckpt.result.ok, (plain.failure_detail, ckpt.failure_detail)

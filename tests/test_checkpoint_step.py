@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 
-from builders import RecordingDisplay, healthy_summary
+from builders import RecordingDisplay, ScriptedRunner, healthy_summary
 
 from autotune.checkpoint_step import MAX_TRIALS, SOURCE, CheckpointStep
 from autotune.dsconfig import DsConfig
@@ -40,12 +40,13 @@ def throughput(cfg: TrialConfig) -> float | None:
     return 10.0 * cfg.micro_batch_size * (RECOMPUTE if cfg.activation_checkpoint_interval else 1.0)
 
 
-class CliffRunner:
+class CliffRunner(ScriptedRunner):
     def __init__(self) -> None:
         self.base = DsConfig.from_dict({"train_micro_batch_size_per_gpu": 1})
         self.ran: list[TrialConfig] = []
 
-    def run(self, number, config, trial_dir, *, timeout, on_start=None, **_: object) -> TrialOutcome:
+    def answer(self, request) -> TrialOutcome:
+        config = request.config
         self.ran.append(config)
         sps = throughput(config)
         if sps is None:
@@ -88,8 +89,8 @@ def _tune(root, budget: int, step: bool = True):
     notes: list[str] = []
     quiet = RecordingDisplay()
     quiet.note = notes.append
-    tuner = Tuner(study=study, runner=runner, space=space, proposer=proposer, baseline=BASE, display=quiet,
-                  budget=budget, checkpointing=CheckpointStep(space, notes.append) if step else None,
+    tuner = Tuner(study=study, runner=runner, space=space, proposer=proposer, baseline=BASE, note=quiet.note,
+                  budget=budget, steps=[CheckpointStep(space, notes.append)] if step else [],
                   stop_early=False)
     tuner.run()
     return study, runner, proposer, notes
@@ -163,15 +164,15 @@ def test_a_resumed_study_plans_as_the_uninterrupted_one_did(tmp_path):
 def test_only_out_of_memory_calls_for_it_and_no_configuration_twice_nor_more_than_the_cap():
     step = CheckpointStep(_space(), lambda _t: None)
     cfg = TrialConfig(micro_batch_size=8, gradient_accumulation_steps=4)
-    step.after(1, cfg, "explore", False, "timeout", None, 10.0)
+    step._after(1, cfg, "explore", False, "timeout", None, 10.0)
     assert step.next_proposal() is None
-    step.after(1, cfg, "explore", False, "oom", None, 10.0)
+    step._after(1, cfg, "explore", False, "oom", None, 10.0)
     assert step.next_proposal().config.activation_checkpoint_interval == 1
-    step.after(2, cfg, "explore", False, "oom", None, 10.0)  # the same micro-batch again
+    step._after(2, cfg, "explore", False, "oom", None, 10.0)  # the same micro-batch again
     assert step.next_proposal() is None
     assert MAX_TRIALS == 3
     for m, n, expected in ((16, 3, True), (32, 4, True), (2, 5, False)):  # the 4th is over the cap
-        step.after(n, TrialConfig(micro_batch_size=m, gradient_accumulation_steps=32 // m), "explore", False,
+        step._after(n, TrialConfig(micro_batch_size=m, gradient_accumulation_steps=32 // m), "explore", False,
                    "oom", None, 10.0)
         planned = step.next_proposal()
         assert (planned is not None) == expected, (m, planned)

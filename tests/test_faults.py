@@ -8,6 +8,7 @@ import sqlite3
 from pathlib import Path
 
 import pytest
+from builders import run_trial
 from robust_helpers import FAST, alive_under, rows, start_cli, write_config
 
 from autotune.dsconfig import DsConfig
@@ -15,7 +16,7 @@ from autotune.launcher import group_alive
 from autotune.options import WorkloadOptions
 from autotune.precision import probe_devices
 from autotune.space import TrialConfig
-from autotune.trial import TrialRunner
+from autotune.trial import builtin_runner
 
 pytestmark = pytest.mark.slow
 
@@ -100,8 +101,7 @@ def test_hung_rank_is_stopped_by_the_timeout(tmp_path):
     wl = WorkloadOptions(data_parallel_size=1, steps=2, warmup_steps=1, faults="hang@0")
     base = DsConfig.from_dict(json.loads(write_config(tmp_path).read_text()))
     seen = {}
-    outcome = TrialRunner(wl, base).run(
-        0, TrialConfig(micro_batch_size=2, gradient_accumulation_steps=4), tmp_path / "t0", timeout=30,
+    outcome = run_trial(builtin_runner(wl, base), 0, TrialConfig(micro_batch_size=2, gradient_accumulation_steps=4), tmp_path / "t0", timeout=30,
         on_start=lambda p: seen.setdefault("pgid", p.pgid))
     assert outcome.result.failure_reason == "timeout"
     assert "every rank was stopped" in outcome.failure_detail

@@ -24,10 +24,10 @@ import click
 import pytest
 from builders import csv_text, healthy_summary, record
 from click.testing import CliRunner
+from step_driver import Driven
 
 from autotune.balance import COSTS, SOURCE, StageBalancer, describe_result
 from autotune.cli_advise import advise_command
-from autotune.dsconfig import DsConfig
 from autotune.layer_costs import rows_to_csv
 from autotune.partition import (
     balanced_parts,
@@ -39,9 +39,7 @@ from autotune.partition import (
 )
 from autotune.proposers.base import Proposal
 from autotune.space import TrialConfig
-from autotune.usercmd.command import parse_command
 from autotune.usercmd.hook import layer_classes
-from autotune.usercmd.runner import UserCommandRunner
 
 CFG = TrialConfig(micro_batch_size=2, gradient_accumulation_steps=4)
 BIG = TrialConfig(micro_batch_size=8, gradient_accumulation_steps=1)
@@ -79,16 +77,6 @@ def write_costs(folder: Path, names: list[str], costs: list[float], params: list
                  "gradient_accumulation_steps": 4, "steps": 5} for i in range(parts[s], parts[s + 1])]
         (folder / f"layer-costs-rank{s}.csv").write_text(rows_to_csv(rows))
     return folder
-
-
-def user_runner(tmp_path: Path) -> UserCommandRunner:
-    """The runner of `autotune run -- deepspeed --num_gpus 2 train.py ...` (never started here)."""
-    (tmp_path / "train.py").write_text("import deepspeed\n")
-    command = parse_command(["deepspeed", "--num_gpus", "2", "train.py", "--deepspeed_config", "ds.json"],
-                            cwd=tmp_path)
-    return UserCommandRunner(command, DsConfig.from_dict({"train_micro_batch_size_per_gpu": 2,
-                                                          "gradient_accumulation_steps": 4}),
-                             cwd=tmp_path, data_parallel_size=1, steps=3, warmup_steps=1)
 
 
 def measured(costs: list[float], parts: list[int], loss: float = 0.005):
@@ -132,13 +120,12 @@ def test_a_kept_round_on_a_cnn_names_the_type_regex_of_its_own_classes(tmp_path)
     """The VGG's `parameters` parts leave all six convolutions on stage 0; the balanced parts
     split them 3 / 3, which `type:^Conv2d$` builds: the run says that, not a parts list."""
     write_costs(tmp_path / "trial-000", VGG, VGG_COSTS, VGG_PARAMS, VGG_OWN)
-    b = StageBalancer(user_runner(tmp_path), tmp_path, note=lambda _: None)
+    b = Driven(StageBalancer(tmp_path, note=lambda _: None, method=None))
     b.after(0, Proposal(config=CFG, source="baseline"), True, 10.0, measured(VGG_COSTS, VGG_OWN))
     p = b.next_proposal()
     assert p.source == SOURCE
     balanced = balanced_parts(VGG_COSTS, 2, stage_fixed=[0.0, 0.005])
-    b.before(1, p)
-    assert b.runner.parts == balanced
+    assert b.before(1, p).parts == balanced
     b.after(1, p, True, 14.0, measured(VGG_COSTS, balanced))
     advice = json.loads((tmp_path / "partition.json").read_text())["in_your_code"]
     assert advice["method"] == "type:^Conv2d$"
@@ -250,7 +237,7 @@ def test_without_layer_costs_the_advice_says_what_to_run_and_names_the_classes_i
 def test_a_layer_that_bounds_every_partition_starts_no_round_and_the_run_says_why(tmp_path):
     write_costs(tmp_path / "trial-000", ALEX, ALEX_COSTS, ALEX_PARAMS, ALEX_OWN)
     notes: list[str] = []
-    b = StageBalancer(user_runner(tmp_path), tmp_path, note=notes.append)
+    b = Driven(StageBalancer(tmp_path, note=notes.append, method=None))
     summary = measured(ALEX_COSTS, ALEX_OWN)
     assert summary.stage_compute_imbalance > 1.4  # far above the 1.10 goal
     b.after(0, Proposal(config=CFG, source="baseline"), True, 10.0, summary, room=5)
@@ -278,7 +265,7 @@ def test_a_round_predicted_beyond_half_the_noise_margin_still_runs(tmp_path):
     write_costs(tmp_path / "trial-000", ["Block"] * 6, costs, [1] * 6, parts, loss=0.0)
     before, after = max(stage_times(costs, parts)), max(stage_times(costs, balanced_parts(costs, 2)))
     assert 0.05 < before / after - 1 < 0.10
-    b = StageBalancer(user_runner(tmp_path), tmp_path, note=lambda _: None)
+    b = Driven(StageBalancer(tmp_path, note=lambda _: None, method=None))
     b.after(0, Proposal(config=CFG, source="baseline"), True, 10.0, measured(costs, parts, 0.0))
     p = b.next_proposal()
     assert p.source == SOURCE and f"the slowest stage {before / after - 1:.1%} faster" in p.reason
@@ -292,7 +279,7 @@ def test_the_scripts_own_partition_predicted_as_good_reads_keep_what_you_have(tm
     not to write partition_method='uniform' into a script that already does."""
     own = [0, 3, 6]
     write_costs(tmp_path / "trial-000", ["Block"] * 6, [1, 1, 1, 1, 1, 4], [1] * 6, own, loss=0.0)
-    b = StageBalancer(user_runner(tmp_path), tmp_path, note=lambda _: None)
+    b = Driven(StageBalancer(tmp_path, note=lambda _: None, method=None))
     b.after(0, Proposal(config=CFG, source="baseline"), True, 10.0, measured([1, 1, 1, 1, 1, 4], own, 0.0))
     p = b.next_proposal()
     b.after(1, p, True, 14.0, healthy_summary(stage_compute_imbalance=1.05, data_parallel_size=1))
@@ -305,8 +292,7 @@ def test_the_scripts_own_partition_predicted_as_good_reads_keep_what_you_have(tm
     b.after(3, costs, True, 19.0, measured([2, 2, 2, 1.5, 1.5, 3], [0, 4, 6], 0.0))
     p = b.next_proposal()
     assert p.source == SOURCE and p.config == BIG
-    b.before(4, p)
-    assert b.runner.parts == own
+    assert b.before(4, p).parts == own
     b.after(4, p, True, 24.0, healthy_summary(stage_compute_imbalance=1.0, data_parallel_size=1))
     info = json.loads((tmp_path / "partition.json").read_text())
     assert info["parts"] == own and info["in_your_code"]["method"] == "own"

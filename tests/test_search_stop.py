@@ -9,7 +9,7 @@ import json
 import math
 
 import pytest
-from builders import RecordingDisplay
+from builders import RecordingDisplay, ScriptedRunner
 from click.testing import CliRunner
 
 from autotune.cli import cli
@@ -121,13 +121,14 @@ def test_expected_improvement_is_exact_without_uncertainty():
 
 # ---- the tuning loop ------------------------------------------------------------------------
 
-class FlatRunner:
+class FlatRunner(ScriptedRunner):
     """Trials answered by `flat` at once (the loop's logic, not DeepSpeed, is under test)."""
 
     def __init__(self) -> None:
         self.ran: list[TrialConfig] = []
 
-    def run(self, number, config, trial_dir, *, timeout, on_start=None, **_: object) -> TrialOutcome:
+    def answer(self, request) -> TrialOutcome:
+        config = request.config
         self.ran.append(config)
         return TrialOutcome(result=ok(config), summary=None, failure_detail=None, wall_seconds=0.1)
 
@@ -141,7 +142,7 @@ def tune(root, *, budget: int, stop_early: bool = True) -> tuple[dict, FlatRunne
     sp = space()
     base = TrialConfig(micro_batch_size=1, gradient_accumulation_steps=32, reduce_bucket_size=500_000_000)
     try:
-        result = Tuner(study=study, runner=runner, space=sp, display=notes, budget=budget, baseline=base,
+        result = Tuner(study=study, runner=runner, space=sp, note=notes.note, budget=budget, baseline=base,
                        proposer=HybridProposer(sp, seed=0, moves=None, budget=budget),
                        stop_early=stop_early).run()
     finally:

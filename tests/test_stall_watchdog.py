@@ -11,7 +11,7 @@ import time
 from types import SimpleNamespace
 
 import pytest
-from builders import RecordingDisplay
+from builders import RecordingDisplay, ScriptedRunner
 
 from autotune.hangs import read_hang, where_hung
 from autotune.judge import TrialOutcome, failed
@@ -25,9 +25,11 @@ from autotune.watchdog import STEP_FLOOR_SECONDS, StallLimits, Watchdog, buildin
 WAIT_ON_LOCK = """
 import sys
 from autotune.watchdog import StallLimits, Watchdog
+# torch first: on a loaded machine its import alone outlasted the limit, and the hang then
+# named the import, not the lock
+from torch.utils.file_baton import FileBaton  # torch's own lock, as cpp_extension.load takes it
 dog = Watchdog(sys.argv[1], 1, StallLimits(startup_seconds=float(sys.argv[3])))
 dog.startup(from_process_start=False)
-from torch.utils.file_baton import FileBaton  # torch's own lock, as cpp_extension.load takes it
 FileBaton(sys.argv[2]).wait()
 """
 
@@ -54,10 +56,12 @@ def test_a_rank_waiting_on_a_stale_extension_lock_ends_as_a_hang_that_names_the_
 WAIT_FOR_A_LIVE_BUILD = """
 import sys, time
 import autotune.watchdog as w
+# torch first: on a loaded machine its import alone outlasted the limit (the check then saw an
+# import, not a build, and the rank ended as a hang): the wait is what this test is about
+from torch.utils.file_baton import FileBaton
 w.BUILD_EXTEND_SECONDS = 3.0
 dog = w.Watchdog(sys.argv[1], 1, w.StallLimits(startup_seconds=float(sys.argv[3])))
 dog.startup(from_process_start=False)
-from torch.utils.file_baton import FileBaton
 FileBaton(sys.argv[2]).wait()  # the holder below keeps the lock open, then removes it
 dog.step_started(); dog.step_ended(); dog.stop()
 """
@@ -213,13 +217,14 @@ def test_limits_follow_the_jobs_own_measured_start_up_and_steps(tmp_path):
 
 # ---- the tuning loop: limits reach the runner, the same start-up wall twice stops the run -------
 
-class StallingRunner:
+class StallingRunner(ScriptedRunner):
     """Trial answers scripted per number; records what limits each trial was given."""
 
     def __init__(self, plan: dict[int, TrialOutcome]) -> None:
         self.plan, self.given = plan, {}
 
-    def run(self, number, config, trial_dir, *, timeout, stall=None, **_: object) -> TrialOutcome:
+    def answer(self, request) -> TrialOutcome:
+        number, timeout, stall = request.number, request.timeout, request.stall
         self.given[number] = (timeout, stall)
         return self.plan.get(number) or TrialOutcome(
             result=TrialResult(status=STATUS_OK, samples_per_second=10.0),
@@ -241,7 +246,7 @@ def _tune(root, runner, budget=4):
     sp = SearchSpace.build(pipeline_stages=2, data_parallel_size=1, zero_stage=1, global_batch=16)
     study = Study.open(root, create=True)
     try:
-        return Tuner(study=study, runner=runner, space=sp, display=RecordingDisplay(), budget=budget,
+        return Tuner(study=study, runner=runner, space=sp, note=RecordingDisplay().note, budget=budget,
                      baseline=TrialConfig(micro_batch_size=1, gradient_accumulation_steps=16),
                      proposer=HybridProposer(sp, seed=0, moves=None, budget=budget), stop_early=False).run()
     finally:

@@ -212,9 +212,12 @@ def test_the_progress_row_shows_the_interval_and_an_early_stop():
     ("confirm", False, False), ("recheck", False, False), ("bayes", True, False),
 ])
 def test_the_tuner_passes_the_incumbent_only_to_new_configurations(tmp_path, source, measured_before, expect):
+    from builders import ScriptedRunner
+
     from autotune.proposers.base import Proposal
     from autotune.space import TrialConfig
     from autotune.study import Study
+    from autotune.trial_contract import Incumbent
     from autotune.tuner import Tuner
 
     study = Study.open(tmp_path / "st", create=True, meta={})
@@ -223,10 +226,10 @@ def test_the_tuner_passes_the_incumbent_only_to_new_configurations(tmp_path, sou
         tid = study.start_trial(0, best, "baseline", "")
         study.finish_trial(tid, status="ok", samples_per_second=120.0, failure_reason=None, failure_detail=None,
                            summary=None, rules_fired=[], wall_seconds=1.0)
-        tuner = Tuner(study=study, runner=None, space=None, proposer=object(), baseline=best, display=None,
-                      budget=5)
+        tuner = Tuner(study=study, runner=ScriptedRunner(), space=None, proposer=object(), baseline=best,
+                      note=print, budget=5)
         new = best if measured_before else TrialConfig(micro_batch_size=8, gradient_accumulation_steps=4)
         got = tuner._incumbent(Proposal(config=new, source=source, reason=""))
-        assert got == ((120.0, 0.10) if expect else None)
+        assert got == (Incumbent(120.0, 0.10) if expect else None)
     finally:
         study.close()

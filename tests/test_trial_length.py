@@ -7,13 +7,14 @@ import json
 from pathlib import Path
 
 import pytest
+from builders import run_trial
 from robust_helpers import FAST_CONFIG
 
 from autotune.dsconfig import DsConfig
 from autotune.options import WorkloadOptions
 from autotune.space import TrialConfig
 from autotune.step_budget import HOPELESS, RECORD_NAME
-from autotune.trial import TrialRunner
+from autotune.trial import builtin_runner
 
 pytestmark = pytest.mark.slow
 
@@ -31,10 +32,10 @@ def two_trials(tmp_path_factory):
     root = tmp_path_factory.mktemp("length")
     wl = WorkloadOptions(data_parallel_size=1, steps=MIN, warmup_steps=1, adaptive_steps=True, max_steps=CAP,
                          step_precision=0.03)
-    runner = TrialRunner(wl, DsConfig.from_dict(FAST_CONFIG))
+    runner = builtin_runner(wl, DsConfig.from_dict(FAST_CONFIG))
     try:
-        plain = runner.run(0, CFG, root / "t0", timeout=600)
-        hopeless = runner.run(1, CFG, root / "t1", timeout=600, incumbent=(1e6, 0.10))
+        plain = run_trial(runner, 0, CFG, root / "t0", timeout=600)
+        hopeless = run_trial(runner, 1, CFG, root / "t1", timeout=600, incumbent=(1e6, 0.10))
     finally:
         runner.close()
     return root, plain, hopeless
@@ -72,7 +73,7 @@ def test_a_trial_that_cannot_beat_the_incumbent_stops_early_and_is_kept(two_tria
 def test_fixed_steps_run_exactly_the_count_with_an_incumbent(tmp_path):
     """--fixed-steps: no collective decision, no early stop, exactly --steps."""
     wl = WorkloadOptions(data_parallel_size=1, steps=3, warmup_steps=1, workers="fresh")
-    out = TrialRunner(wl, DsConfig.from_dict(FAST_CONFIG)).run(0, CFG, tmp_path / "t", timeout=600,
+    out = run_trial(builtin_runner(wl, DsConfig.from_dict(FAST_CONFIG)), 0, CFG, tmp_path / "t", timeout=600,
                                                                  incumbent=(1e6, 0.10))
     assert out.result.ok and out.summary.steps == 3 and not out.summary.stopped_early
     assert out.summary.steps_ended_by == "fixed" and out.summary.step_seconds_low is None  # < 6 steps
@@ -97,7 +98,7 @@ def test_a_users_script_stops_at_the_same_step_on_every_rank_when_hopeless(tmp_p
     runner = UserCommandRunner(command, DsConfig.from_dict(json.loads(config.read_text())), cwd=tmp_path,
                                data_parallel_size=1, steps=MIN, warmup_steps=1)
     runner.step_length = (True, 0.03, CAP)
-    out = runner.run(0, TrialConfig(micro_batch_size=2, gradient_accumulation_steps=8), tmp_path / "t",
+    out = run_trial(runner, 0, TrialConfig(micro_batch_size=2, gradient_accumulation_steps=8), tmp_path / "t",
                      timeout=600, incumbent=(1e6, 0.10))
     assert out.result.ok, out.failure_detail
     assert out.summary.stopped_early and out.summary.steps == MIN

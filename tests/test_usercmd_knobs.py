@@ -13,6 +13,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from step_driver import Driven
 
 from autotune.errors import UserError
 from autotune.proposers.base import Proposal
@@ -78,9 +79,20 @@ def test_the_commands_own_value_is_replaced_in_place_or_the_flag_appended():
     assert with_value(("--steps", "9"), k, "uniform") == ("--steps", "9", "--partition", "uniform")
 
 
+class _Runner:
+    """What the runner is told: the knob values of the request the sweep filled in last."""
+
+    def __init__(self, sweep: Driven) -> None:
+        self.sweep = sweep
+
+    @property
+    def knob_values(self) -> dict[str, str]:
+        return self.sweep.request.knob_values
+
+
 def _sweep(tmp_path, *texts, own=("--partition", "parameters")):
-    runner = SimpleNamespace(command=SimpleNamespace(script_args=own), knob_values={})
-    return KnobSweep(runner, parse_knobs(list(texts)), tmp_path, note=lambda s: None), runner
+    sweep = Driven(KnobSweep(parse_knobs(list(texts)), own, tmp_path, note=lambda s: None))
+    return sweep, _Runner(sweep)
 
 
 CFG = TrialConfig(micro_batch_size=2, gradient_accumulation_steps=8)

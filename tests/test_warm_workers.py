@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+from builders import run_trial
 from robust_helpers import FAST, FAST_CONFIG, alive_under, rows, start_cli, write_config
 
 from autotune.dsconfig import DsConfig
@@ -17,7 +18,7 @@ from autotune.launcher import group_alive, shm_buffers
 from autotune.loaders.metrics import read_trial_columns
 from autotune.options import WorkloadOptions
 from autotune.space import TrialConfig
-from autotune.trial import TrialRunner
+from autotune.trial import builtin_runner
 from autotune.watchdog import StallLimits
 
 pytestmark = pytest.mark.slow
@@ -45,11 +46,11 @@ def warm_and_fresh(tmp_path_factory):
     root = tmp_path_factory.mktemp("warm")
     base = DsConfig.from_dict(FAST_CONFIG)
     wl = dict(data_parallel_size=1, steps=3, warmup_steps=1)
-    warm = TrialRunner(WorkloadOptions(**wl, faults="hang@3"), base)
+    warm = builtin_runner(WorkloadOptions(**wl, faults="hang@3"), base)
     groups, outcomes = {}, {}
     try:
         for n, (cfg, timeout) in enumerate([(A, 900), (B, 300), (A, 300), (A, 20), (A, 900)]):
-            outcomes[n] = warm.run(n, cfg, root / f"warm-{n}", timeout=timeout, stall=STALL,  # as a study runs them
+            outcomes[n] = run_trial(warm, n, cfg, root / f"warm-{n}", timeout=timeout, stall=STALL,  # as a study runs them
                                    on_start=lambda p, n=n: groups.setdefault(n, p.pgid))
         left_while_warm = alive_under(root)
         pool = warm.warm.pool
@@ -61,8 +62,8 @@ def warm_and_fresh(tmp_path_factory):
         outcomes["exited"] = [m.exists() for m in markers]
     finally:
         warm.close()
-    fresh = TrialRunner(WorkloadOptions(**wl, workers="fresh"), base)
-    outcomes["fresh"] = fresh.run(0, A, root / "fresh", timeout=900)
+    fresh = builtin_runner(WorkloadOptions(**wl, workers="fresh"), base)
+    outcomes["fresh"] = run_trial(fresh, 0, A, root / "fresh", timeout=900)
     return root, outcomes, groups, left_while_warm
 
 

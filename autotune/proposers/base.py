@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from autotune.space import SearchSpace, TrialConfig
+from autotune.trial_kind import TrialKind
 
 STATUS_OK = "ok"
 STATUS_FAILED = "failed"
@@ -24,8 +25,13 @@ STATUS_FAILED = "failed"
 class Proposal:
     config: TrialConfig
     source: str
-    """Who proposed it: baseline, bayes, rule:<id>, random, grid, ..."""
+    """Who proposed it: baseline, bayes, rule:<id>, random, grid, ... (the label the study stores)."""
     reason: str = ""
+
+    @property
+    def kind(self) -> TrialKind:
+        """The typed kind of the trial (autotune/trial_kind.py)."""
+        return TrialKind.of(self.source)
 
 
 @dataclass(kw_only=True, slots=True)

@@ -34,6 +34,7 @@ from autotune.dsconfig import DsConfig, load_ds_config
 from autotune.errors import UserError
 from autotune.multinode import resolve_cluster
 from autotune.precision import check_precision
+from autotune.space import SearchSpace
 from autotune.usercmd.command import UserCommand, check_launcher_installed, parse_command
 from autotune.usercmd.runner import PROBE_TIMEOUT, UserCommandRunner, probe_shape
 
@@ -60,41 +61,70 @@ class UserJob:
     def command(self) -> UserCommand:
         return parse_command(self.argv, cwd=Path(self.cwd))
 
-    def describe(self) -> str:
+    def command_text(self) -> str:
         return " ".join(self.argv)
 
-    def runner(self, opts: Any, base: DsConfig) -> UserCommandRunner:
+    def describe(self, opts: Any) -> str:
+        """The job in words (the run's header): the command and what its start-up check read."""
+        return describe_job(asdict(self), asdict(opts.workload))
+
+    def runner(self, opts: Any, base: DsConfig, *, note: Callable[[str], None] | None = None,
+               cluster: Any = None) -> UserCommandRunner:
+        """The command's own launcher options place its ranks (`cluster` is the built-in's)."""
         wl = opts.workload
         command = with_autotune_launcher_options(self.command(), opts)
-        runner = UserCommandRunner(command, base, cwd=Path(self.cwd),
-                                 data_parallel_size=wl.data_parallel_size, steps=wl.steps,
-                                 warmup_steps=wl.warmup_steps, job=wl.job, metrics_port=wl.metrics_port,
-                                 metrics_addr=wl.metrics_addr)
-        runner.layer_costs = wl.layer_costs
-        runner.step_length = (wl.adaptive_steps, wl.step_precision, wl.step_cap)
+        parts = None
         if wl.partition_method.startswith("parts:"):  # the job's own method is overridden (docs/partition.md)
             from autotune.partition import parse_parts
 
-            runner.parts = parse_parts(wl.partition_method[len("parts:"):])
-        runner.cluster = resolve_cluster(command.cluster_options(), None, check_hosts=False)
-        return runner
+            parts = parse_parts(wl.partition_method[len("parts:"):])
+        knobs = None
+        if opts.knobs:  # the user's model settings mapped to their flags (usercmd/knobs.py)
+            from autotune.usercmd.knobs import parse_knobs
 
-    def space(self, opts: Any, base: DsConfig):
+            knobs = parse_knobs(opts.knobs)
+        return UserCommandRunner(command, base, cwd=Path(self.cwd), data_parallel_size=wl.data_parallel_size,
+                                 steps=wl.steps, warmup_steps=wl.warmup_steps, job=wl.job,
+                                 metrics_port=wl.metrics_port, metrics_addr=wl.metrics_addr,
+                                 layer_costs=wl.layer_costs, parts=parts, knobs=knobs,
+                                 step_length=(wl.adaptive_steps, wl.step_precision, wl.step_cap),
+                                 cluster=resolve_cluster(command.cluster_options(), None, check_hosts=False))
+
+    def space(self, opts: Any, base: DsConfig) -> SearchSpace:
         """The run's space with the user's model size bounding the bucket range (not a preset's)."""
-        from autotune.space import SearchSpace
         from autotune.starting_point import build_space
 
-        space = build_space(opts, base)
-        if space.bucket_range is None:
-            return space
-        return SearchSpace.build(
-            pipeline_stages=space.pipeline_stages, data_parallel_size=space.data_parallel_size,
-            zero_stage=base.zero_stage, global_batch=space.global_batch, micro_min=opts.micro_min,
-            micro_max=opts.micro_max, gas_min=opts.gas_min, gas_max=opts.gas_max,
-            powers_of_two_only=not opts.integer_micro, bucket_min=opts.bucket_min,
-            bucket_max=opts.bucket_max, max_global_batch=opts.max_global_batch,
-            model_parameters=self.parameters,
-        )
+        return build_space(opts, base, model_parameters=self.parameters)
+
+    # -- the rest of the workload contract (autotune/job_contract.py) -----------------------------
+    def validate(self, opts: Any) -> None:
+        from autotune.validation import validate
+
+        validate(opts, built_in=False)  # the preset's limits do not apply to the user's model
+
+    def check_config(self, opts: Any, base: DsConfig) -> None:
+        """The user's config was checked when the job was read (`prepare_user_job`)."""
+
+    def store(self, study: Any) -> None:
+        if study.get_meta_json(META_KEY) is None:
+            study.set_meta_json({META_KEY: asdict(self)})
+
+    def steps(self, opts: Any, base: DsConfig, space: SearchSpace, *, root: Path, note: Callable[[str], None],
+              noise: float, cluster: Any) -> list[Any]:
+        """The partition step (its parts forced on the script's PipelineModule) and the knob sweep."""
+        steps: list[Any] = []
+        command = self.command()
+        if opts.workload.balance_stages:
+            from autotune.balance import StageBalancer
+
+            own = resolve_cluster(command.cluster_options(), None, check_hosts=False)
+            steps.append(StageBalancer(root, note, method=None, noise=noise,
+                                       multi_node=own is not None and own.multi_node))
+        if opts.knobs:
+            from autotune.usercmd.knobs import KnobSweep, parse_knobs
+
+            steps.append(KnobSweep(parse_knobs(opts.knobs), command.script_args, root, note))
+        return steps
 
 
 def prepare_user_job(opts: Any, argv: list[str], note: Callable[[str], None]) -> UserJob:
@@ -108,7 +138,7 @@ def prepare_user_job(opts: Any, argv: list[str], note: Callable[[str], None]) ->
         if stored is None:
             raise UserError(f"{root} is a study of the built-in workload; give your command another --study")
         if list(argv) != stored.argv:
-            raise UserError(f"{root} was created for another command ({stored.describe()}); resume it with "
+            raise UserError(f"{root} was created for another command ({stored.command_text()}); resume it with "
                             "that command or none, or give this one another --study")
         return stored
     if opts.workload.faults:
@@ -212,14 +242,10 @@ def with_autotune_launcher_options(cmd: UserCommand, opts: Any) -> UserCommand:
     return cmd.with_launcher_options(opts.workload.launcher_options().argv())
 
 
-def attach_user_job(study: Any, job: UserJob | None) -> UserJob | None:
-    """Store a new study's command in it, or read a resumed study's; None for the built-in workload."""
-    if job is None:
-        stored = study.get_meta_json(META_KEY)
-        return UserJob(**stored) if stored else None
-    if study.get_meta_json(META_KEY) is None:
-        study.set_meta_json({META_KEY: asdict(job)})
-    return job
+def resumed_user_job(study: Any) -> UserJob | None:
+    """The command a study of a user's command was created for (a resume without one); None: none."""
+    stored = study.get_meta_json(META_KEY)
+    return UserJob(**stored) if stored else None
 
 
 def stored_job(root: Path) -> UserJob | None:

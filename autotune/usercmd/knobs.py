@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,13 +33,16 @@ from typing import Any
 from autotune.errors import UserError
 from autotune.fileio import write_atomic
 from autotune.proposers.base import Proposal
+from autotune.trial_contract import TrialRequest
+from autotune.trial_kind import BASELINE, Step, TrialKind
+from autotune.trial_kind import KNOB_PREFIX as SOURCE_PREFIX
+from autotune.tuning_steps import TrialEnd
 
 PLACE = "{value}"
 KNOWN = {"partition_method": ("parameters", "uniform"), "activation_checkpoint_interval": ("0", "1")}
 """Default candidates of the knobs every PipelineModule has (its constructor's arguments)."""
 REFUSED = {"stages": "the stage count is the engine's (measured on the start-up check); another "
                      "count changes the ranks, so it cannot be swept inside one study"}
-SOURCE_PREFIX = "knob:"
 RESULT_NAME = "knobs.json"
 TRIAL_FILE = "knobs.json"
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -168,11 +171,10 @@ def check_against_command(knobs: list[Knob], script_args: tuple[str, ...], confi
 class KnobSweep:
     """The knob step of a tuning run: one trial per candidate value, at the baseline's layout."""
 
-    def __init__(self, runner: Any, knobs: list[Knob], study_root: Path,
+    def __init__(self, knobs: list[Knob], script_args: tuple[str, ...], study_root: Path,
                  note: Callable[[str], None] = print) -> None:
-        self.runner, self.knobs, self.root, self.note = runner, knobs, Path(study_root), note
-        own = runner.command.script_args
-        self.kept: dict[str, str | None] = {k.name: value_in(own, k) for k in knobs}
+        self.knobs, self.root, self.note = knobs, Path(study_root), note
+        self.kept: dict[str, str | None] = {k.name: value_in(script_args, k) for k in knobs}
         """The value each knob runs with outside its sweep (None: the script's own default)."""
         self.queue: list[Proposal] = []
         self.results: dict[str, dict[str, float | None]] = {k.name: {} for k in knobs}
@@ -182,26 +184,30 @@ class KnobSweep:
         each kept value's (a later knob's trials run with the earlier knobs' kept values)."""
         self.planned = False
         self.running: str | None = None
-        """The knob trial between `before` and `after`."""
+        """The knob trial between `prepare` and `after`."""
 
     # -- around each trial --------------------------------------------------------------------
-    def before(self, number: int, proposal: Proposal) -> None:
+    def prepare(self, request: TrialRequest, kind: TrialKind) -> None:
+        """The knobs' values for this trial: the kept ones, and the one a knob trial measures."""
         values = dict(self.kept)
-        self.running = proposal.source if proposal.source.startswith(SOURCE_PREFIX) else None
-        if proposal.source.startswith(SOURCE_PREFIX):
-            name, _, value = proposal.source[len(SOURCE_PREFIX):].partition("=")
-            values[name] = value
-        self.runner.knob_values = {k: v for k, v in values.items() if v is not None}
+        setting = kind.knob_setting
+        self.running = kind.label if setting is not None else None
+        if setting is not None:
+            values[setting[0]] = setting[1]
+        request.knob_values = {k: v for k, v in values.items() if v is not None}
 
-    def after(self, number: int, proposal: Proposal, ok: bool, samples_per_second: float | None,
-              summary: Any, **_: Any) -> None:
+    def after(self, end: TrialEnd) -> None:
+        self._after(end.proposal, end.ok, end.samples_per_second)
+
+    def _after(self, proposal: Proposal, ok: bool, samples_per_second: float | None) -> None:
         self.running = None
-        if proposal.source == "baseline":
+        kind = proposal.kind
+        if kind.is_baseline:
             if ok:
                 self.baseline_sps = self.current_sps = float(samples_per_second or 0.0)
                 self._plan(proposal)
-        elif proposal.source.startswith(SOURCE_PREFIX):
-            name, _, value = proposal.source[len(SOURCE_PREFIX):].partition("=")
+        elif (setting := kind.knob_setting) is not None:
+            name, value = setting
             self.results[name][value] = float(samples_per_second) if ok and samples_per_second else None
             if not any(p.source.startswith(f"{SOURCE_PREFIX}{name}=") for p in self.queue):
                 self._decide(name)
@@ -216,17 +222,16 @@ class KnobSweep:
         (the tuner holds what it tells the proposer until then; autotune/balance.py `superseded`)."""
         return bool(self.queue) or self.running is not None
 
-    def replay(self, finished: list[Any], redo: list[Any], budget: int | None = None) -> None:
+    def replay(self, finished: Sequence[Any], redo: Sequence[Any], budget: int | None = None) -> None:
         """Rebuild the sweep from the study's finished trials (a resume)."""
         base = next((t for t in finished if t.number == 0), None)
         if base is None or base.status != "ok":
             return
-        self.after(0, Proposal(config=base.config, source="baseline"), True, base.samples_per_second, None)
+        self._after(Proposal(config=base.config, source=BASELINE), True, base.samples_per_second)
         for t in sorted(finished, key=lambda t: t.number):
-            if t.source.startswith(SOURCE_PREFIX):
+            if TrialKind.of(t.source).step is Step.KNOB:
                 self.queue = [p for p in self.queue if p.source != t.source]
-                self.after(t.number, Proposal(config=t.config, source=t.source), t.status == "ok",
-                           t.samples_per_second, None)
+                self._after(Proposal(config=t.config, source=t.source), t.status == "ok", t.samples_per_second)
         pending = {t.source for t in redo}
         self.queue = [p for p in self.queue if p.source not in pending]
 
@@ -239,7 +244,7 @@ class KnobSweep:
             for v in k.values:
                 if v != self.kept[k.name]:
                     self.queue.append(Proposal(
-                        config=baseline.config, source=f"{SOURCE_PREFIX}{k.name}={v}",
+                        config=baseline.config, source=TrialKind.knob(k.name, v).label,
                         reason=f"knob {k.name}: {' '.join(k.tokens(v))} at the baseline's micro-batch and GAS"))
 
     def _decide(self, name: str) -> None:

@@ -1,8 +1,8 @@
 """One trial of the user's own command: write its ds_config, launch the command, classify the end.
 
-Same interface and result as autotune.trial.TrialRunner (the Tuner cannot tell
-them apart) and the same trial folder: ds_config.json, launcher.log,
-metrics-rankR.csv. The ranks are instrumented by the bootstrap (hook.py), whose
+The user-command runner of the trial contract (autotune/trial_contract.py: the tuner
+cannot tell it from the built-in workload's runners), with the same trial folder:
+ds_config.json, launcher.log, metrics-rankR.csv. The ranks are instrumented by the bootstrap (hook.py), whose
 marker files add three reasons to autotune.judge.judge's classification:
 
 - `not_pipeline`: deepspeed.initialize returned a DeepSpeedEngine, not a PipelineEngine;
@@ -19,20 +19,24 @@ import json
 import os
 import subprocess
 import tempfile
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from autotune.dsconfig import DEEPSPEED_DEFAULT_BUCKET, DsConfig
 from autotune.judge import TrialOutcome, failed, judge
-from autotune.launcher import LaunchOutcome, LaunchSpec, TrialProcess, free_port
+from autotune.launcher import LaunchOutcome, LaunchSpec, TrialProcess, free_port, run_launch
 from autotune.multinode import Cluster, node_env, resolve_cluster, stop_on_nodes
 from autotune.space import TrialConfig
 from autotune.trial import prepare_trial_dir
+from autotune.trial_contract import TrialRequest
 from autotune.usercmd.command import UserCommand
 from autotune.usercmd.hook import ENV, FILE_ENV, MODE_PROBE, MODE_TRIAL, BootstrapSettings
 from autotune.watchdog import StallLimits
+
+if TYPE_CHECKING:
+    from autotune.usercmd.knobs import Knob
 
 BOOTSTRAP_DIR = Path(__file__).resolve().parent / "bootstrap"
 PROBE_TIMEOUT = 900.0
@@ -94,23 +98,13 @@ def launch(command: UserCommand, *, ds_config: Path, cwd: Path, run_dir: Path, s
     spec = LaunchSpec(num_ranks=0, script_args=[], log_path=run_dir / "launcher.log", timeout=timeout,
                       env=rank_env(settings), launcher=list(command.prefix))
     command, cluster = multi_node_command(command, settings, run_dir, spec, cwd=cwd)
-    multi_node = cluster is not None
-    proc = CommandProcess(spec, command, ds_config, cwd)
-    try:
-        error = proc.start()
-        if error is not None:
-            spec.log_path.write_text(error + "\n", encoding="utf-8")
-            return LaunchOutcome(returncode=None, timed_out=False, wall_seconds=0.0,
-                                 log_path=spec.log_path, launch_error=error)
-        if on_start is not None:
-            on_start(proc)
-        rc, timed_out = proc.wait()
-    finally:
-        proc.stop(grace=2.0)  # ranks the launcher left behind, or a Ctrl-C: the whole group goes
-        if multi_node:  # ranks on the nodes are sshd's children, not in the launcher's group
+
+    def stop_on_other_nodes(proc: TrialProcess) -> None:
+        if cluster is not None:  # ranks on the nodes are sshd's children, not in the launcher's group
             stop_on_nodes(cluster, str(run_dir), master_port=proc.master_port)
-    return LaunchOutcome(returncode=rc, timed_out=timed_out, wall_seconds=time.monotonic() - proc.started,
-                         log_path=spec.log_path)
+
+    return run_launch(CommandProcess(spec, command, ds_config, cwd), on_start=on_start,
+                      after_stop=stop_on_other_nodes)
 
 
 def read_markers(run_dir: Path, kind: str) -> list[dict]:
@@ -127,7 +121,7 @@ def judge_user_trial(outcome: LaunchOutcome, run_dir: Path, timeout: float, *, s
     """The bootstrap's markers first (what only it can tell), then the built-in classification."""
     wall = outcome.wall_seconds
     if outcome.launch_error is not None:
-        return failed("launcher_missing", outcome.launch_error, wall)
+        return judge(outcome, run_dir, timeout)
     engines = read_markers(run_dir, "engine")
     other = next((e for e in engines if not e.get("pipeline")), None)
     if other is not None:
@@ -191,28 +185,35 @@ def probe_shape(command: UserCommand, *, ds_config: Path, cwd: Path, timeout: fl
 
 
 class UserCommandRunner:
-    """Runs trials of the user's command; the interface of autotune.trial.TrialRunner."""
-
-    layer_costs: bool = False
-    """Time every layer of the job's PipelineModule (--layer-costs)."""
-    parts: list[int] | None = None
-    """Stage boundaries the job's PipelineModule is built with (--partition-method parts:...)."""
-    step_length: tuple[bool, float, int] = (False, 0.03, 0)
-    """(adaptive, precision, cap of measured steps): how long each trial measures (autotune/step_budget.py)."""
+    """Runs trials of the user's command: the user-command runner of the trial contract
+    (autotune/trial_contract.py). Each trial launches the command as typed, with autotune's
+    ds_config in it, and its ranks instrumented by the bootstrap."""
 
     def __init__(self, command: UserCommand, base_config: DsConfig, *, cwd: Path, data_parallel_size: int,
                  steps: int, warmup_steps: int, job: str = "autotune", metrics_port: int | None = None,
-                 metrics_addr: str = "127.0.0.1") -> None:
+                 metrics_addr: str = "127.0.0.1", layer_costs: bool = False, parts: list[int] | None = None,
+                 step_length: tuple[bool, float, int] = (False, 0.03, 0), knobs: list[Knob] | None = None,
+                 cluster: Cluster | None = None) -> None:
         self.command, self.base_config, self.cwd = command, base_config, cwd
         self.data_parallel_size = data_parallel_size
         self.steps, self.warmup_steps = steps, warmup_steps
         self.job, self.metrics_port, self.metrics_addr = job, metrics_port, metrics_addr
-        self.cluster = None
-        self.knobs: list = []
+        self.layer_costs = layer_costs
+        """Time every layer of the job's PipelineModule (--layer-costs)."""
+        self.parts = parts
+        """Stage boundaries the job's PipelineModule is built with (--partition-method parts:...)."""
+        self.step_length = step_length
+        """(adaptive, precision, cap of measured steps): how long each trial measures (autotune/step_budget.py)."""
+        self.knobs: list[Knob] = list(knobs or [])
         """The model settings mapped to the script's flags (--knob, usercmd/knobs.py)."""
-        self.knob_values: dict[str, str] = {}
-        """This trial's values of them (set by the knob step before each trial)."""
-        """Where the ranks run when the command names nodes (set by job.py; resume clean-up reads it)."""
+        self.cluster = cluster
+        """Where the ranks run when the command names nodes (resume clean-up reads it)."""
+
+    def begin_close(self) -> None:
+        """Nothing outlives a trial of the user's command."""
+
+    def close(self) -> None:
+        """Nothing outlives a trial of the user's command."""
 
     def _is_unchanged(self, config: TrialConfig) -> bool:
         """The user's own config would run exactly this: write it as it is."""
@@ -222,7 +223,7 @@ class UserCommandRunner:
                 and config.gradient_accumulation_steps == layout.gradient_accumulation_steps
                 and config.reduce_bucket_size in (None, own_bucket))
 
-    def ds_config_for(self, config: TrialConfig) -> dict:
+    def ds_config_for(self, config: TrialConfig) -> dict[str, Any]:
         if self._is_unchanged(config):
             return self.base_config.to_dict()
         return self.base_config.with_trial(
@@ -231,26 +232,32 @@ class UserCommandRunner:
             data_parallel_size=self.data_parallel_size, reduce_bucket_size=config.reduce_bucket_size,
         ).to_dict()
 
-    def run(self, number: int, config: TrialConfig, trial_dir: Path, *, timeout: float,
-            on_start: Callable[[TrialProcess], None] | None = None,
-            incumbent: tuple[float, float] | None = None, stall: StallLimits | None = None) -> TrialOutcome:
+    def settings_for(self, request: TrialRequest, trial_dir: Path) -> BootstrapSettings:
+        """What the trial's ranks are told (through the bootstrap's environment or file)."""
+        incumbent = request.incumbent
+        layer_costs = self.layer_costs if request.layer_costs is None else request.layer_costs
+        parts = self.parts if request.parts is None else request.parts
+        return BootstrapSettings(mode=MODE_TRIAL, trial_dir=str(trial_dir), trial=request.number,
+                                 warmup_steps=self.warmup_steps, steps=self.steps,
+                                 metrics_port=self.metrics_port, metrics_addr=self.metrics_addr,
+                                 job=self.job, layer_costs=layer_costs, parts=parts,
+                                 adaptive_steps=self.step_length[0], step_precision=self.step_length[1],
+                                 max_steps=self.step_length[2],
+                                 incumbent_samples_per_second=incumbent.samples_per_second if incumbent else None,
+                                 noise=incumbent.noise if incumbent else 0.10,
+                                 limits=request.stall.to_dict() if request.stall is not None else None)
+
+    def run(self, request: TrialRequest) -> TrialOutcome:
         trial_dir, ds_path = prepare_trial_dir(
-            trial_dir, self.ds_config_for(config), stale=("engine-rank*.json", "done-rank*.json", "exit-rank*.json"))
-        settings = BootstrapSettings(mode=MODE_TRIAL, trial_dir=str(trial_dir), trial=number,
-                                     warmup_steps=self.warmup_steps, steps=self.steps,
-                                     metrics_port=self.metrics_port, metrics_addr=self.metrics_addr,
-                                     job=self.job, layer_costs=self.layer_costs, parts=self.parts,
-                                     adaptive_steps=self.step_length[0], step_precision=self.step_length[1],
-                                     max_steps=self.step_length[2],
-                                     incumbent_samples_per_second=incumbent[0] if incumbent else None,
-                                     noise=incumbent[1] if incumbent else 0.10,
-                                     limits=stall.to_dict() if stall is not None else None)
+            request.trial_dir, self.ds_config_for(request.config),
+            stale=("engine-rank*.json", "done-rank*.json", "exit-rank*.json"))
+        settings = self.settings_for(request, trial_dir)
         command = self.command
         if self.knobs:  # the script's own flags for the mapped model settings (usercmd/knobs.py)
             from autotune.usercmd.knobs import TRIAL_FILE, apply_knobs
 
-            command = apply_knobs(command, self.knob_values, self.knobs)
-            (trial_dir / TRIAL_FILE).write_text(json.dumps(self.knob_values) + "\n", encoding="utf-8")
+            command = apply_knobs(command, request.knob_values, self.knobs)
+            (trial_dir / TRIAL_FILE).write_text(json.dumps(request.knob_values) + "\n", encoding="utf-8")
         outcome = launch(command, ds_config=ds_path, cwd=self.cwd, run_dir=trial_dir,
-                         settings=settings, timeout=timeout, on_start=on_start)
-        return judge_user_trial(outcome, trial_dir, timeout, steps_needed=settings.total_steps)
+                         settings=settings, timeout=request.timeout, on_start=request.on_start)
+        return judge_user_trial(outcome, trial_dir, request.timeout, steps_needed=settings.total_steps)

@@ -1,0 +1,125 @@
+"""The trial contract (autotune/trial_contract.py): every runner through the same cases.
+
+As Optuna runs every storage through one suite (optuna/testing/pytest_storages.py), each
+implementation here (fresh processes, warm workers, the user's own command) runs the same
+two real trials on 2 stages, and the same launch failure. What the tuner relies on is
+asserted once for all three:
+- a trial ends ok with a summary, in its folder: ds_config.json is `ds_config_for(config)`,
+  one metrics CSV per rank, the launcher's log;
+- `on_start` receives the running process group (the study stores its id and port);
+- the request is what the trial runs with: the layer-cost hooks on, the stage boundaries
+  the partition step asked for (read back from the ranks' own layer-cost files);
+- a launcher that cannot start is a `launcher_missing` outcome with its line in the log,
+  not an exception;
+- after `close()`, nothing of the runner is left running.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+from robust_helpers import FAST_CONFIG, alive_under
+
+from autotune.dsconfig import DsConfig
+from autotune.layer_costs import read_trial_layer_costs
+from autotune.options import WorkloadOptions
+from autotune.space import TrialConfig
+from autotune.trial import BuiltinRunner, WarmRunner, builtin_runner
+from autotune.trial_contract import Runner, TrialRequest
+from autotune.usercmd.command import parse_command
+from autotune.usercmd.runner import UserCommandRunner
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parent.parent
+KINDS = ("fresh", "warm", "user-command")
+FIRST = TrialConfig(micro_batch_size=2, gradient_accumulation_steps=4)
+SECOND = TrialConfig(micro_batch_size=4, gradient_accumulation_steps=2)
+
+
+def make_runner(kind: str, folder: Path, *, launcher: str | None = None) -> Runner:
+    base = DsConfig.from_dict(dict(FAST_CONFIG))
+    if kind in ("fresh", "warm"):
+        wl = WorkloadOptions(data_parallel_size=1, steps=3, warmup_steps=1, workers=kind)
+        runner = builtin_runner(wl, base, launcher=[launcher] if launcher else None, note=lambda _t: None)
+        assert isinstance(runner, WarmRunner if kind == "warm" else BuiltinRunner)
+        return runner
+    config = folder / "ds_config.json"
+    config.write_text(json.dumps(FAST_CONFIG))
+    command = parse_command([launcher or "deepspeed", "--num_gpus", "2", str(REPO / "examples" / "pipeline_train.py"),
+                             "--deepspeed_config", str(config), "--steps", "100000"], cwd=folder)
+    return UserCommandRunner(command, base, cwd=folder, data_parallel_size=1, steps=3, warmup_steps=1)
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def two_trials(request, tmp_path_factory):
+    """Trial 0 with the layer-cost hooks at the job's own partition; trial 1 at other stage
+    boundaries; then `close()`. What every case below reads."""
+    kind = request.param
+    root = tmp_path_factory.mktemp(kind.replace("-", "_"))
+    mp = pytest.MonkeyPatch()
+    mp.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")  # its deepspeed
+    mp.setenv("DS_ACCELERATOR", "cpu")
+    runner = make_runner(kind, root)
+    assert isinstance(runner, Runner)  # the protocol's members, checked at run time
+    started: list[tuple[int | None, int | None]] = []
+    try:
+        first = runner.run(TrialRequest(number=0, config=FIRST, trial_dir=root / "trial-000", timeout=600,
+                                        layer_costs=True, on_start=lambda p: started.append((p.pgid, p.master_port))))
+        own = read_trial_layer_costs(root / "trial-000")
+        assert own is not None, first.failure_detail
+        moved = [own.parts[0], own.parts[1] + (1 if own.parts[1] + 1 < own.parts[2] else -1), own.parts[2]]
+        second = runner.run(TrialRequest(number=1, config=SECOND, trial_dir=root / "trial-001", timeout=600,
+                                         layer_costs=True, parts=moved))
+        left_open = alive_under(root) if kind == "warm" else []
+    finally:
+        runner.close()
+        mp.undo()
+    yield {"kind": kind, "root": root, "runner": runner, "outcomes": [first, second], "started": started,
+           "own": own.parts, "moved": moved, "left_open": left_open, "left": alive_under(root)}
+
+
+def test_a_trial_ends_ok_with_its_evidence_in_its_folder(two_trials):
+    runner, root = two_trials["runner"], two_trials["root"]
+    for n, (outcome, config) in enumerate(zip(two_trials["outcomes"], (FIRST, SECOND), strict=True)):
+        assert outcome.result.ok, (two_trials["kind"], n, outcome.failure_detail)
+        assert outcome.summary is not None and outcome.summary.samples_per_second > 0
+        folder = root / f"trial-{n:03d}"
+        assert json.loads((folder / "ds_config.json").read_text()) == runner.ds_config_for(config)
+        assert len(list(folder.glob("metrics-rank*.csv"))) == 2  # 2 stages x 1 dp
+        assert (folder / "launcher.log").is_file()
+
+
+def test_on_start_receives_the_running_process_group(two_trials):
+    [(pgid, port)] = two_trials["started"]
+    assert isinstance(pgid, int) and pgid > 1
+    assert isinstance(port, int) and port > 0
+
+
+def test_the_request_is_what_the_trial_runs_with(two_trials):
+    moved = read_trial_layer_costs(two_trials["root"] / "trial-001")
+    assert moved is not None  # the hooks were on because the request asked
+    assert two_trials["moved"] != two_trials["own"]
+    assert moved.parts == two_trials["moved"]  # the stage boundaries the request named
+
+
+def test_nothing_is_left_running_after_close(two_trials):
+    assert two_trials["left"] == []
+    if two_trials["kind"] == "warm":  # ... while the pool did stay up between its trials
+        assert two_trials["left_open"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_launcher_that_cannot_start_is_an_outcome_not_an_exception(kind, tmp_path):
+    runner = make_runner(kind, tmp_path, launcher=str(tmp_path / "no-such-launcher" / "deepspeed"))
+    try:
+        outcome = runner.run(TrialRequest(number=0, config=FIRST, trial_dir=tmp_path / "trial-000", timeout=60))
+    finally:
+        runner.close()
+    assert not outcome.result.ok and outcome.result.failure_reason == "launcher_missing"
+    assert "no-such-launcher" in outcome.failure_detail
+    assert "no-such-launcher" in (tmp_path / "trial-000" / "launcher.log").read_text()
