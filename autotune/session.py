@@ -13,6 +13,7 @@ from autotune.display import ProgressDisplay
 from autotune.dsconfig import DsConfig
 from autotune.errors import UserError
 from autotune.extras import require
+from autotune.noise import NOISE_MARGIN
 from autotune.options import RunOptions
 from autotune.precision import check_precision
 from autotune.space import SearchSpace
@@ -24,7 +25,7 @@ from autotune.starting_point import (
 )
 from autotune.study import Study
 from autotune.trial import TrialRunner
-from autotune.tuner import DEFAULT_NOISE, Tuner, TuneResult, dump_space
+from autotune.tuner import Tuner, TuneResult, dump_space
 from autotune.validation import validate
 
 
@@ -120,7 +121,7 @@ def tune(opts: RunOptions, display: ProgressDisplay | None = None, *,
             from autotune.balance import StageBalancer
 
             balancer = StageBalancer(runner, study.root, display.note,
-                                     noise=float(getattr(proposer, "noise", DEFAULT_NOISE)))
+                                     noise=float(getattr(proposer, "noise", NOISE_MARGIN)))
         if job and opts.knobs:  # the user's model settings mapped to their flags (usercmd/knobs.py)
             from autotune.usercmd.knobs import KnobSweep, parse_knobs
 

@@ -14,6 +14,7 @@ from autotune.faults import CONTROLLER_FAULTS, RANK_FAULTS
 from autotune.judge import TrialOutcome, failed, judge
 from autotune.launcher import LaunchOutcome, LaunchSpec, TrialProcess
 from autotune.multinode import Cluster, cluster_args, node_env, stop_on_nodes
+from autotune.noise import NOISE_MARGIN
 from autotune.options import WorkloadOptions
 from autotune.space import TrialConfig
 from autotune.step_budget import RECORD_NAME as STEP_RECORD
@@ -77,7 +78,7 @@ class TrialRunner:
                          metrics_csv=str(trial_dir / "metrics-rank{rank}.csv"),
                          fault=fault if fault in RANK_FAULTS else None,  # a runner fault stays here
                          incumbent_samples_per_second=incumbent[0] if incumbent else None,
-                         noise=incumbent[1] if incumbent else 0.10,
+                         noise=incumbent[1] if incumbent else NOISE_MARGIN,
                          limits=stall.to_dict() if stall is not None else None)
 
     def run(self, number: int, config: TrialConfig, trial_dir: Path, *, timeout: float,

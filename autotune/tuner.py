@@ -30,6 +30,7 @@ from autotune.errors import AutotuneError
 from autotune.faults import crash_point
 from autotune.judge import TrialOutcome
 from autotune.launcher import leftover_ports, remove_shm_buffers, stop_leftovers
+from autotune.noise import NOISE_MARGIN
 from autotune.proposers.base import STATUS_FAILED, STATUS_OK, Proposal, Proposer, TrialResult
 from autotune.space import SearchSpace, TrialConfig
 from autotune.study import STATUS_INTERRUPTED, STATUS_RUNNING, Study, TrialRow
@@ -40,8 +41,6 @@ from autotune.trial_limits import TrialLimits, limits_for
 
 MEASURED_IN_FULL = frozenset({"baseline", "remeasure", "confirm", "recheck"})
 """Proposal sources never stopped early: the reference and the re-measurements."""
-DEFAULT_NOISE = 0.10
-"""The early-stop margin where the proposer states none (HybridProposer.noise's default)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -319,7 +318,7 @@ class Tuner:
             return None
         if any(t.config.key() == proposal.config.key() for t in self.study.counted()):
             return None
-        return float(best.samples_per_second), float(getattr(self.proposer, "noise", DEFAULT_NOISE))
+        return float(best.samples_per_second), float(getattr(self.proposer, "noise", NOISE_MARGIN))
 
     def _limits(self, config: TrialConfig) -> TrialLimits:
         return limits_for(config, self.study.trials(), trial_timeout=self.trial_timeout,

@@ -28,6 +28,7 @@ from autotune.dsconfig import DEEPSPEED_DEFAULT_BUCKET, DsConfig
 from autotune.judge import TrialOutcome, failed, judge
 from autotune.launcher import LaunchOutcome, LaunchSpec, TrialProcess, free_port
 from autotune.multinode import Cluster, node_env, resolve_cluster, stop_on_nodes
+from autotune.noise import NOISE_MARGIN
 from autotune.space import TrialConfig
 from autotune.trial import prepare_trial_dir
 from autotune.usercmd.command import UserCommand
@@ -243,7 +244,7 @@ class UserCommandRunner:
                                      adaptive_steps=self.step_length[0], step_precision=self.step_length[1],
                                      max_steps=self.step_length[2],
                                      incumbent_samples_per_second=incumbent[0] if incumbent else None,
-                                     noise=incumbent[1] if incumbent else 0.10,
+                                     noise=incumbent[1] if incumbent else NOISE_MARGIN,
                                      limits=stall.to_dict() if stall is not None else None)
         command = self.command
         if self.knobs:  # the script's own flags for the mapped model settings (usercmd/knobs.py)
