@@ -12,15 +12,13 @@ a cap: autotune/search_stop.py; `--full-budget` runs them all).
 Ctrl-C (SIGINT) and SIGTERM stop the running trial's whole process group,
 mark it interrupted, write the best configuration so far and return with
 exit code 130 (SIGINT) or 143 (SIGTERM). Further signals during that cleanup
-are ignored so it cannot be cut short.
+are ignored so it cannot be cut short (autotune/stop_signals.py).
 """
 
 from __future__ import annotations
 
 import os
-import signal
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +31,7 @@ from autotune.launcher import leftover_ports, remove_shm_buffers, stop_leftovers
 from autotune.noise import NOISE_MARGIN
 from autotune.proposers.base import STATUS_FAILED, STATUS_OK, Proposal, Proposer, TrialResult
 from autotune.space import SearchSpace, TrialConfig
+from autotune.stop_signals import Stopped, ignore_stop_signals, stop_on_signals
 from autotune.study import STATUS_INTERRUPTED, STATUS_RUNNING, Study, TrialRow
 from autotune.study_outputs import write_outputs
 from autotune.summary import TrialSummary
@@ -53,34 +52,6 @@ class TuneResult:
 
 class StartupStalls(AutotuneError):
     """The ranks' start-up stalls at the same place trial after trial: the run stops with where."""
-
-
-class Stopped(KeyboardInterrupt):
-    """SIGINT or SIGTERM arrived: unwind, stopping the running trial on the way."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
-@contextmanager
-def _stop_on_signals() -> Iterator[None]:
-    """SIGINT/SIGTERM raise Stopped once; later ones are ignored while we clean up."""
-    def handler(signum: int, _frame: Any) -> None:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, signal.SIG_IGN)
-        raise Stopped(signum)
-
-    try:
-        old = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
-    except ValueError:  # not the main thread: leave signals alone
-        yield
-        return
-    try:
-        yield
-    finally:
-        for sig, h in old.items():
-            signal.signal(sig, h)
 
 
 class Tuner:
@@ -115,7 +86,7 @@ class Tuner:
 
     # -- the loop -------------------------------------------------------------
     def run(self) -> TuneResult:
-        with _stop_on_signals():
+        with stop_on_signals():
             try:
                 redo = self._recover()
                 while len(self.study.counted()) < self.budget:
@@ -128,15 +99,14 @@ class Tuner:
                 self._write()
                 raise
             except KeyboardInterrupt as exc:
-                signum = exc.signum if isinstance(exc, Stopped) else signal.SIGINT
-                for sig in (signal.SIGINT, signal.SIGTERM):  # the cleanup is not cut short
-                    signal.signal(sig, signal.SIG_IGN)
+                stop = Stopped.of(exc)
+                ignore_stop_signals()  # the cleanup is not cut short
                 self.study.interrupt_running()
                 summary = self._write()
-                self.display.note(f"interrupted ({signal.Signals(signum).name}): the running trial was "
+                self.display.note(f"interrupted ({stop.name}): the running trial was "
                                   "stopped; the study is consistent and the best configuration so far "
                                   "is written. Resume with --resume.")
-                return TuneResult(summary=summary, interrupted=True, exit_code=128 + int(signum))
+                return TuneResult(summary=summary, interrupted=True, exit_code=stop.exit_code)
         getattr(self.runner, "begin_close", lambda: None)()  # the ranks exit while the outputs are written
         summary = self._write()
         from autotune.report_html import at_end_of_run
