@@ -30,6 +30,7 @@ from autotune.errors import InputFileError, UserError
 from autotune.fileio import write_atomic
 from autotune.launcher import LaunchSpec, free_port
 from autotune.multinode import resolve_cluster, stop_on_nodes
+from autotune.options import endpoint_defaults
 from autotune.stop_signals import (
     Stopped,
     default_stop_signals,
@@ -39,8 +40,10 @@ from autotune.stop_signals import (
 from autotune.usercmd.command import UserCommand, check_launcher_installed, parse_command
 from autotune.usercmd.hook import MODE_WATCH, BootstrapSettings
 from autotune.usercmd.runner import CommandProcess, multi_node_command, rank_env, read_markers
+from autotune.validation import validate_endpoints
 
 RUN_PREFIX = "run-"
+_ENDPOINTS = endpoint_defaults()
 POLL_SECONDS = 0.5
 
 
@@ -53,10 +56,11 @@ class WatchOptions:
     config: str | None = None
     """The config, for a command that takes it through the {config} placeholder."""
     job: str = "autotune"
-    metrics_port: int | None = 9700
-    rank_metrics_port: int | None = 9710
-    metrics_addr: str = "127.0.0.1"
-    no_metrics: bool = False
+    # The endpoint options are `autotune run`'s (autotune/options.py), defaults included.
+    metrics_port: int | None = _ENDPOINTS["metrics_port"]
+    rank_metrics_port: int | None = _ENDPOINTS["rank_metrics_port"]
+    metrics_addr: str = _ENDPOINTS["metrics_addr"]
+    no_metrics: bool = _ENDPOINTS["no_metrics"]
     interval: float = 10.0
     """Seconds between advisor evaluations."""
     window: int = 200
@@ -104,6 +108,7 @@ def prepare(argv: list[str], opts: WatchOptions, *, cwd: Path) -> PreparedWatch:
     resolve_cluster(cmd.cluster_options(), None)  # the command's hostfile, launcher and hosts (pdsh/ssh)
     if opts.interval <= 0 or opts.window < 0 or opts.warmup_steps < 0:
         raise UserError("--interval must be > 0, --window and --warmup-steps >= 0")
+    validate_endpoints({name: getattr(opts, name) for name in _ENDPOINTS})
     return PreparedWatch(command=cmd, config=config, cwd=cwd)
 
 
