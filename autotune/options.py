@@ -264,7 +264,7 @@ def endpoint_fields() -> list[dataclasses.Field]:
 
 def endpoint_options(fn: Callable) -> Callable:
     """Decorate a click command (`autotune watch`) with the endpoint options of `autotune run`:
-    the same flags, defaults and help; check the values with `check_endpoint_fields`."""
+    the same flags, defaults and help; `validation.validate_endpoints` checks the values."""
     return _decorate(fn, endpoint_fields())
 
 

@@ -80,6 +80,7 @@ class PreparedWatch:
 
 def prepare(argv: list[str], opts: WatchOptions, *, cwd: Path) -> PreparedWatch:
     """Every check of the command and its config, before anything starts: one UserError each."""
+    validate_endpoints({name: getattr(opts, name) for name in _ENDPOINTS})  # as `autotune run` checks them
     if not any(a.strip() for a in argv):
         raise UserError("no training command after `--`; write it as: autotune watch -- deepspeed "
                         "train.py --deepspeed_config ds_config.json")
@@ -108,7 +109,6 @@ def prepare(argv: list[str], opts: WatchOptions, *, cwd: Path) -> PreparedWatch:
     resolve_cluster(cmd.cluster_options(), None)  # the command's hostfile, launcher and hosts (pdsh/ssh)
     if opts.interval <= 0 or opts.window < 0 or opts.warmup_steps < 0:
         raise UserError("--interval must be > 0, --window and --warmup-steps >= 0")
-    validate_endpoints({name: getattr(opts, name) for name in _ENDPOINTS})
     return PreparedWatch(command=cmd, config=config, cwd=cwd)
 
 
