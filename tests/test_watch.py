@@ -140,7 +140,7 @@ def test_bad_endpoint_options_are_refused_as_run_refuses_them(job, options, mess
     command = ["deepspeed", str(job / "train.py"), "--deepspeed_config", str(job / "ds.json")]
     result = CliRunner().invoke(cli, ["watch", "--out", str(job / "w"), *options, "--", *command])
     assert result.exit_code == 2, result.output
-    assert result.output == f"autotune: error: {message}" + result.output.split(message, 1)[1]
+    assert result.output.startswith(f"autotune: error: {message}")
     assert result.output.count("\n") == 1
     assert not (job / "w").exists()
     run = CliRunner().invoke(cli, ["run", "--study", str(job / "s"), *options])
