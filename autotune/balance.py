@@ -58,6 +58,7 @@ from typing import Any
 from autotune.errors import UserError
 from autotune.fileio import write_atomic
 from autotune.measurements import COSTS, RECHECK, REFERENCE, SOURCE
+from autotune.noise import NOISE_MARGIN
 from autotune.partition import bounding_layer, no_gain_text, partition_balanced, partition_uniform
 from autotune.proposers.base import Proposal
 from autotune.space import TrialConfig
@@ -69,8 +70,6 @@ THRESHOLD = 1.10
 """Stage work imbalance (max / mean, `work_imbalance`) above which the partition trial runs (the goal of issue 13)."""
 MAX_ROUNDS = 3
 """Rounds (candidate partitions measured) at most in one study."""
-NOISE = 0.10
-"""The margin within which a round's pair is measured once more (HybridProposer.noise's default)."""
 GAIN_OF_NOISE = 0.5
 """A round runs only where the layer costs predict its slowest stage faster than the one in force
 by more than this share of the noise margin (5 % at the default 10 %). Below it even the A B B A
@@ -217,7 +216,7 @@ class StageBalancer:
     """Decides and carries the partition of a study's trials (through the runner's workload)."""
 
     def __init__(self, study_root: Path, note: Callable[[str], None] = print, *, method: str | None,
-                 multi_node: bool = False, noise: float = NOISE) -> None:
+                 multi_node: bool = False, noise: float = NOISE_MARGIN) -> None:
         self.root = Path(study_root)
         self.note = note
         self.noise = noise

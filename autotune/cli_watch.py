@@ -10,6 +10,7 @@ from pathlib import Path
 
 import click
 
+from autotune.options import endpoint_options
 from autotune.usercmd.watch import WatchOptions
 
 _D = WatchOptions()
@@ -21,13 +22,7 @@ _D = WatchOptions()
 @click.option("--config", "config", default=None,
               help="The DeepSpeed config, for a command that takes it through {config}.")
 @click.option("--job", default=_D.job, show_default=True, help="The `job` label of every metric.")
-@click.option("--metrics-port", type=click.IntRange(1, 65535), default=_D.metrics_port, show_default=True,
-              help="Controller endpoint (the findings) on this port (taken: the next free of 8).")
-@click.option("--rank-metrics-port", type=click.IntRange(1, 65535), default=_D.rank_metrics_port,
-              show_default=True, help="Base port of each rank's endpoint (local rank r: base + r).")
-@click.option("--metrics-addr", default=_D.metrics_addr, show_default=True,
-              help="Bind address of the endpoints (anything but loopback exposes them).")
-@click.option("--no-metrics", is_flag=True, help="Serve no live metrics (CSVs and findings only).")
+@endpoint_options  # --metrics-port, --rank-metrics-port, --metrics-addr, --no-metrics: as `autotune run`'s
 @click.option("--interval", type=float, default=_D.interval, show_default=True,
               help="Seconds between advisor evaluations of the CSVs.")
 @click.option("--window", type=click.IntRange(min=0), default=_D.window, show_default=True,

@@ -135,6 +135,29 @@ class DsConfig:
         return copy.deepcopy(self.raw)
 
 
+def reduce_bucket_inert(zero_stage: int, data_parallel_size: int | None) -> str | None:
+    """Why `zero_optimization.reduce_bucket_size` cannot change a pipeline run's speed here,
+    or None where it acts: only with ZeRO-1 and dp > 1.
+
+    Under pipeline parallelism only ZeRO-1 buckets the data-parallel gradient reduction by
+    reduce_bucket_size; ZeRO-0 (and bf16 with the BF16 optimizer) reduces with a hard-coded
+    5e8-element bucket, and with dp = 1 there is no reduction to bucket (deepspeed-facts.md,
+    "Bucket sizes"). `data_parallel_size` None: not known, so the bucket may act. Memory is
+    another matter: ZeRO-1 allocates the bucket's buffer every step even with dp = 1
+    (advisor/config_rules.py, `config.zero1_bucket_buffer_bytes`).
+    """
+    if zero_stage != 1:
+        return "ZeRO-0 uses a fixed 5e8-element bucket"
+    if data_parallel_size is not None and data_parallel_size < 2:
+        return "dp = 1 has no gradient reduction"
+    return None
+
+
+def reduce_bucket_acts(zero_stage: int, data_parallel_size: int | None) -> bool:
+    """Whether reduce_bucket_size changes the run's speed: ZeRO-1 and dp > 1 (`reduce_bucket_inert`)."""
+    return reduce_bucket_inert(zero_stage, data_parallel_size) is None
+
+
 def checkpoint_interval(raw: dict) -> int:
     """`pipeline.activation_checkpoint_interval` of a raw config as DeepSpeed reads it (0: the module's own)."""
     pipeline = raw.get("pipeline")

@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+from autotune.dsconfig import reduce_bucket_acts
 from autotune.p2p_split import P2P_INSTRUCTIONS, TransferSplit, p2p_category
 from autotune.schema import StepRecord
 from autotune.summary import busy_fraction
@@ -223,8 +224,8 @@ def _loss_scale(engine: Any) -> float | None:
 
 
 def _acting_bucket(engine: Any, dp: int) -> int | None:
-    """reduce_bucket_size only acts with ZeRO-1 and dp > 1 under pipeline parallelism."""
-    if engine.zero_optimization_stage() != 1 or dp < 2:
+    """The engine's reduce_bucket_size where it acts (ZeRO-1 and dp > 1), else None."""
+    if not reduce_bucket_acts(engine.zero_optimization_stage(), dp):
         return None
     return int(engine.zero_reduce_bucket_size())
 

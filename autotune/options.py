@@ -192,12 +192,13 @@ class RunOptions:
                              group="space", cli_type=float)
     bucket_max: int = option(500_000_000, "Largest reduce_bucket_size.", lo=1, hi=10**12, unit="elements",
                              group="space", cli_type=float)
-    # The endpoints
+    # The endpoints (`autotune watch` takes these four too: `endpoint_options`)
     metrics_port: int | None = option(9700, "Serve the controller's Prometheus metrics on this port "
                                       "(taken: the next free of 8).", lo=1, hi=65535, unit="port",
                                       group="endpoints")
     rank_metrics_port: int | None = option(9710, "Base port of each rank's endpoint (local rank r: base + r; "
-                                           "the ports bound are listed in STUDY/prometheus_targets.json).",
+                                           "the ports bound are listed in prometheus_targets.json in the "
+                                           "--study or --out folder).",
                                            lo=1, hi=65535, unit="port", group="endpoints")
     metrics_addr: str = option("127.0.0.1", "Bind address of the endpoints (anything but loopback "
                                "exposes them).", group="endpoints")
@@ -249,27 +250,53 @@ def _num(v: float) -> str:
 
 def click_options(fn: Callable) -> Callable:
     """Decorate a click command with one option per CLI field of the tree, in declaration order."""
+    return _decorate(fn, [*_cli_fields(RunOptions), *_cli_fields(WorkloadOptions)])
+
+
+ENDPOINTS = "endpoints"
+"""The group of the live-metrics endpoint options, which `autotune watch` shares with `autotune run`."""
+
+
+def endpoint_fields() -> list[dataclasses.Field]:
+    """--metrics-port, --rank-metrics-port, --metrics-addr, --no-metrics: declared once, in RunOptions."""
+    return [f for f in _cli_fields(RunOptions) if f.metadata["group"] == ENDPOINTS]
+
+
+def endpoint_options(fn: Callable) -> Callable:
+    """Decorate a click command (`autotune watch`) with the endpoint options of `autotune run`:
+    the same flags, defaults and help; `validation.validate_endpoints` checks the values."""
+    return _decorate(fn, endpoint_fields())
+
+
+def endpoint_defaults() -> dict[str, Any]:
+    """Each endpoint option's default, by field name."""
+    return {f.name: f.default for f in endpoint_fields()}
+
+
+def _decorate(fn: Callable, fields: list[dataclasses.Field]) -> Callable:
+    for f in reversed(fields):
+        fn = _click_option(f)(fn)
+    return fn
+
+
+def _click_option(f: dataclasses.Field) -> Callable:
+    """The click option of one field: its flag, type, default and help."""
     import click
 
-    fields = [*_cli_fields(RunOptions), *_cli_fields(WorkloadOptions)]
-    for f in reversed(fields):
-        m = f.metadata
-        if f.type == "bool":
-            on = m["cli_default"] if m["cli_default"] is not None else f.default
-            deco = click.option(_flag(f), f.name, is_flag=True, default=on, help=_help(f), hidden=m["hidden"],
-                                show_default="/" in _flag(f))
-        elif m.get("multiple"):
-            deco = click.option(_flag(f), f.name, multiple=True, help=_help(f), hidden=m["hidden"])
-        else:
-            kind = m["cli_type"] or (int if f.type.startswith("int") else str)
-            default = None if f.name == "budget" else f.default
-            shown = m["show_default"] and default is not None
-            if shown and kind is float:
-                shown = _num(default)  # --bucket-max 5e8, not 500000000
-            deco = click.option(_flag(f), f.name, type=kind, default=default, help=_help(f),
-                                hidden=m["hidden"], show_default=shown)
-        fn = deco(fn)
-    return fn
+    m = f.metadata
+    if f.type == "bool":
+        on = m["cli_default"] if m["cli_default"] is not None else f.default
+        return click.option(_flag(f), f.name, is_flag=True, default=on, help=_help(f), hidden=m["hidden"],
+                            show_default="/" in _flag(f))
+    if m.get("multiple"):
+        return click.option(_flag(f), f.name, multiple=True, help=_help(f), hidden=m["hidden"])
+    kind = m["cli_type"] or (int if f.type.startswith("int") else str)
+    default = None if f.name == "budget" else f.default
+    shown = m["show_default"] and default is not None
+    if shown and kind is float:
+        shown = _num(default)  # --bucket-max 5e8, not 500000000
+    return click.option(_flag(f), f.name, type=kind, default=default, help=_help(f),
+                        hidden=m["hidden"], show_default=shown)
 
 
 def from_cli(kw: dict[str, Any], *, budget: int) -> RunOptions:
@@ -304,6 +331,12 @@ def check_fields(opts: RunOptions) -> None:
             if f.name == "workload":
                 continue
             _check(f, getattr(owner, f.name))
+
+
+def check_endpoint_fields(values: dict[str, Any]) -> None:
+    """Type and range of the endpoint options (`autotune watch`'s share of `check_fields`)."""
+    for f in endpoint_fields():
+        _check(f, values[f.name])
 
 
 def _check(f: dataclasses.Field, v: Any) -> None:

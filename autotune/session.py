@@ -15,12 +15,13 @@ from autotune.dsconfig import DsConfig
 from autotune.errors import UserError
 from autotune.extras import require
 from autotune.job_contract import TuningJob
+from autotune.noise import NOISE_MARGIN
 from autotune.options import RunOptions
 from autotune.precision import check_precision
 from autotune.space import SearchSpace
 from autotune.starting_point import baseline_config, load_base_config
 from autotune.study import Study
-from autotune.tuner import DEFAULT_NOISE, Tuner, TuneResult, dump_space
+from autotune.tuner import Tuner, TuneResult, dump_space
 from autotune.tuning_callbacks import LiveMetricsCallback, ProgressCallback
 from autotune.tuning_steps import TunerCallback
 
@@ -119,7 +120,7 @@ def tune(opts: RunOptions, display: ProgressDisplay | None = None, *,
         preload.start()  # the optimizer's and the report's imports, while the baseline starts its ranks
         runner = job.runner(opts, base, note=display.note, cluster=cluster)
         steps = job.steps(opts, base, space, root=study.root, note=display.note, cluster=cluster,
-                          noise=float(getattr(proposer, "noise", DEFAULT_NOISE)))
+                          noise=float(getattr(proposer, "noise", NOISE_MARGIN)))
         callbacks: list[TunerCallback] = [ProgressCallback(display, study)]
         if exporter is not None:
             callbacks.append(LiveMetricsCallback(exporter))

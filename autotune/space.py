@@ -8,7 +8,7 @@ Two batch modes:
   the global batch must stay within [min_global_batch, max_global_batch].
 
 `reduce_bucket_size` only acts with ZeRO-1 and dp > 1 under pipeline
-parallelism (deepspeed-facts.md); elsewhere `bucket_range` is None and the
+parallelism (`dsconfig.reduce_bucket_acts`); elsewhere `bucket_range` is None and the
 knob is not searched. Where the model is smaller than the bucket range, the
 range ends at the model's parameter count: a bucket that large already holds
 every gradient in one reduction, and a larger one reduces the same way while
@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from autotune.dsconfig import reduce_bucket_inert
 from autotune.errors import UserError
 
 
@@ -107,7 +108,8 @@ class SearchSpace:
         p, dp = pipeline_stages, data_parallel_size
         pick = powers_of_two if powers_of_two_only else (lambda lo, hi: list(range(lo, hi + 1)))
         saturation = None
-        if zero_stage == 1 and dp > 1:
+        inert = reduce_bucket_inert(zero_stage, dp)
+        if inert is None:
             bucket: tuple[int, int] | None = (bucket_min, bucket_max)
             note = "reduce_bucket_size searched (ZeRO-1, dp > 1)"
             top = ceil_bucket(model_parameters) if model_parameters else None
@@ -118,8 +120,7 @@ class SearchSpace:
                         "the same single bucket and only allocates a larger buffer every step")
         else:
             bucket = None
-            why = "ZeRO-0 uses a fixed 5e8-element bucket" if zero_stage != 1 else "dp = 1 has no gradient reduction"
-            note = f"reduce_bucket_size not searched: {why} under pipeline parallelism"
+            note = f"reduce_bucket_size not searched: {inert} under pipeline parallelism"
         if global_batch is not None:
             if global_batch < 1 or global_batch % dp:
                 raise UserError(f"--global-batch {global_batch} is not a positive multiple of dp {dp}")

@@ -18,7 +18,7 @@ What it is not: the spread between launches of the same configuration. On the CP
 that spread is larger than the within-trial interval (docs/trial-length.md,
 benchmarks/launch_noise.py), so this interval says how well THIS trial measured its
 median, not how well a re-run would agree; the tuner's final choice keeps its own
-between-launch noise margin (HybridProposer `noise`).
+between-launch noise margin (autotune/noise.py).
 
 A step of the trial's time is the slowest rank's (the summary's definition): the ranks
 MAX-reduce their step times, so every rank decides on the same numbers with the same
@@ -31,6 +31,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+
+from autotune.noise import NOISE_MARGIN
 
 CONFIDENCE = 0.95
 DEFAULT_PRECISION = 0.03
@@ -235,7 +237,7 @@ class StepBudget:
 
 
 def rank_budget(*, steps: int, warmup_steps: int, adaptive: bool, precision: float, cap: int,
-                global_batch: int, incumbent_samples_per_second: float | None = None, noise: float = 0.10,
+                global_batch: int, incumbent_samples_per_second: float | None = None, noise: float = NOISE_MARGIN,
                 reduce_max: ReduceMax | None = None) -> StepBudget:
     """A rank's budget from its trial's settings (autotune/workload/trial_spec.py, or the user
     job's bootstrap settings); the reduce is the default process group's unless given."""

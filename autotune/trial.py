@@ -15,6 +15,7 @@ from autotune.faults import CONTROLLER_FAULTS, RANK_FAULTS
 from autotune.judge import TrialOutcome, failed, judge
 from autotune.launcher import LaunchSpec, TrialProcess, run_launch
 from autotune.multinode import Cluster, cluster_args, node_env, stop_on_nodes
+from autotune.noise import NOISE_MARGIN
 from autotune.options import WorkloadOptions
 from autotune.space import TrialConfig
 from autotune.step_budget import RECORD_NAME as STEP_RECORD
@@ -71,7 +72,7 @@ class BuiltinRunner:
                          metrics_csv=str(trial_dir / "metrics-rank{rank}.csv"),
                          fault=fault if fault in RANK_FAULTS else None,  # a runner fault stays here
                          incumbent_samples_per_second=incumbent.samples_per_second if incumbent else None,
-                         noise=incumbent.noise if incumbent else 0.10,
+                         noise=incumbent.noise if incumbent else NOISE_MARGIN,
                          limits=request.stall.to_dict() if request.stall is not None else None)
 
     def _prepare(self, request: TrialRequest) -> tuple[Path, dict[str, Any]]:

@@ -12,15 +12,13 @@ a cap: autotune/search_stop.py; `--full-budget` runs them all).
 Ctrl-C (SIGINT) and SIGTERM stop the running trial's whole process group,
 mark it interrupted, write the best configuration so far and return with
 exit code 130 (SIGINT) or 143 (SIGTERM). Further signals during that cleanup
-are ignored so it cannot be cut short.
+are ignored so it cannot be cut short (autotune/stop_signals.py).
 """
 
 from __future__ import annotations
 
 import os
-import signal
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,8 +27,10 @@ from autotune.errors import AutotuneError
 from autotune.faults import crash_point
 from autotune.judge import TrialOutcome
 from autotune.launcher import TrialProcess, leftover_ports, remove_shm_buffers, stop_leftovers
+from autotune.noise import NOISE_MARGIN
 from autotune.proposers.base import STATUS_FAILED, STATUS_OK, Proposal, Proposer, TrialResult
 from autotune.space import SearchSpace, TrialConfig
+from autotune.stop_signals import Stopped, ignore_stop_signals, stop_on_signals
 from autotune.study import STATUS_INTERRUPTED, STATUS_RUNNING, Study, TrialRow
 from autotune.summary import TrialSummary
 from autotune.trial_contract import Incumbent, Runner, TrialRequest
@@ -38,9 +38,6 @@ from autotune.trial_kind import BASELINE
 from autotune.trial_limits import TrialLimits, limits_for
 from autotune.tuning_callbacks import StudyOutputs
 from autotune.tuning_steps import SettingStep, TrialEnd, TunerCallback
-
-DEFAULT_NOISE = 0.10
-"""The early-stop margin where the proposer states none (HybridProposer.noise's default)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -53,34 +50,6 @@ class TuneResult:
 
 class StartupStalls(AutotuneError):
     """The ranks' start-up stalls at the same place trial after trial: the run stops with where."""
-
-
-class Stopped(KeyboardInterrupt):
-    """SIGINT or SIGTERM arrived: unwind, stopping the running trial on the way."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
-@contextmanager
-def _stop_on_signals() -> Iterator[None]:
-    """SIGINT/SIGTERM raise Stopped once; later ones are ignored while we clean up."""
-    def handler(signum: int, _frame: Any) -> None:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, signal.SIG_IGN)
-        raise Stopped(signum)
-
-    try:
-        old = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
-    except ValueError:  # not the main thread: leave signals alone
-        yield
-        return
-    try:
-        yield
-    finally:
-        for sig, h in old.items():
-            signal.signal(sig, h)
 
 
 class Tuner:
@@ -124,7 +93,7 @@ class Tuner:
                 callback.run_ended()
 
     def _loop(self) -> TuneResult:
-        with _stop_on_signals():
+        with stop_on_signals():
             try:
                 redo = self._recover()
                 while len(self.study.counted()) < self.budget:
@@ -137,15 +106,14 @@ class Tuner:
                 self.outputs.write()
                 raise
             except KeyboardInterrupt as exc:
-                signum = exc.signum if isinstance(exc, Stopped) else signal.SIGINT
-                for sig in (signal.SIGINT, signal.SIGTERM):  # the cleanup is not cut short
-                    signal.signal(sig, signal.SIG_IGN)
+                stop = Stopped.of(exc)
+                ignore_stop_signals()  # the cleanup is not cut short
                 self.study.interrupt_running()
                 summary = self.outputs.write()
-                self.note(f"interrupted ({signal.Signals(signum).name}): the running trial was "
-                                  "stopped; the study is consistent and the best configuration so far "
-                                  "is written. Resume with --resume.")
-                return TuneResult(summary=summary, interrupted=True, exit_code=128 + int(signum))
+                self.note(f"interrupted ({stop.name}): the running trial was "
+                          "stopped; the study is consistent and the best configuration so far "
+                          "is written. Resume with --resume.")
+                return TuneResult(summary=summary, interrupted=True, exit_code=stop.exit_code)
         self.runner.begin_close()  # the ranks exit while the outputs are written
         summary = self.outputs.write()
         from autotune.report_html import at_end_of_run
@@ -311,7 +279,7 @@ class Tuner:
             return None
         if any(t.config.key() == proposal.config.key() for t in self.study.counted()):
             return None
-        return Incumbent(float(best.samples_per_second), float(getattr(self.proposer, "noise", DEFAULT_NOISE)))
+        return Incumbent(float(best.samples_per_second), float(getattr(self.proposer, "noise", NOISE_MARGIN)))
 
     def _limits(self, config: TrialConfig) -> TrialLimits:
         return limits_for(config, self.study.trials(), trial_timeout=self.trial_timeout,

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
 from autotune.errors import UserError
-from autotune.options import RunOptions, check_fields
+from autotune.options import RunOptions, check_endpoint_fields, check_fields
 from autotune.workload.presets import get_preset
 
 _JOB = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
@@ -27,8 +28,7 @@ def validate(opts: RunOptions, *, built_in: bool = True) -> None:
     if opts.rank_metrics_port is not None and opts.rank_metrics_port + wl.world_size - 1 > 65535:
         raise UserError(f"--rank-metrics-port {opts.rank_metrics_port} + {wl.world_size} ranks passes port 65535")
     for addr in {opts.metrics_addr, wl.metrics_addr}:
-        if not _valid_host(addr):
-            raise UserError(f"--metrics-addr {addr!r}: use an IP address or a host name (default 127.0.0.1)")
+        _check_metrics_addr(addr)
     if built_in and wl.slow_layer is not None and wl.slow_layer >= _layer_count(wl.preset):
         raise UserError(f"--slow-layer must be in [0, {_layer_count(wl.preset) - 1}]")
     if wl.slow_stage is not None and not 0 <= wl.slow_stage < wl.pipeline_stages:
@@ -81,6 +81,19 @@ def validate(opts: RunOptions, *, built_in: bool = True) -> None:
 def _layer_count(preset: str) -> int:
     """PipelineModule layers of the built-in model: embedding, decoder layers, LM head."""
     return get_preset(preset).num_layers + 2
+
+
+def validate_endpoints(values: dict[str, Any]) -> None:
+    """The endpoint options of `autotune watch` (field name -> value), checked as `validate`
+    checks `autotune run`'s: each port's range and the bind address. The rank ports' sum with
+    the world size is left out: a watched command's ranks are known only once they start."""
+    check_endpoint_fields(values)
+    _check_metrics_addr(values["metrics_addr"])
+
+
+def _check_metrics_addr(addr: str) -> None:
+    if not _valid_host(addr):
+        raise UserError(f"--metrics-addr {addr!r}: use an IP address or a host name (default 127.0.0.1)")
 
 
 def _valid_host(addr: str) -> bool:

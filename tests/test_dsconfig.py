@@ -2,8 +2,12 @@ import json
 
 import pytest
 
-from autotune.dsconfig import DsConfig, load_ds_config
+from autotune.advisor.config_rules import config_facts
+from autotune.advisor.findings import FIRED, Change, Finding
+from autotune.advisor.patch import patch_config
+from autotune.dsconfig import DsConfig, load_ds_config, reduce_bucket_acts, reduce_bucket_inert
 from autotune.errors import ConfigError
+from autotune.space import SearchSpace
 
 
 def test_resolve_batch_fills_missing_like_deepspeed():
@@ -57,3 +61,36 @@ def test_roundtrip_file(tmp_path):
     p = tmp_path / "ds.json"
     p.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2}))
     assert load_ds_config(p).micro_batch_size == 2
+
+
+@pytest.mark.parametrize("zero, dp, acts", [
+    (0, 1, False), (0, 2, False), (0, None, False),
+    (1, 1, False), (1, 2, True), (1, 8, True), (1, None, True),  # None: dp not known, it may act
+])
+def test_the_reduce_bucket_acts_only_with_zero1_and_dp_above_1(zero, dp, acts):
+    assert reduce_bucket_acts(zero, dp) is acts
+    why = reduce_bucket_inert(zero, dp)
+    assert (why is None) is acts
+    if not acts:
+        assert ("ZeRO-0" in why) is (zero != 1) and ("dp = 1" in why) is (zero == 1)
+
+
+def _bucket_finding(dp: int) -> Finding:
+    return Finding(rule_id="r", title="t", severity="info", status=FIRED, subject="s", trial=None,
+                   evidence=[], expected_impact=0.1, explanation="", data_parallel_size=dp,
+                   changes=[Change(kind="trial", target="reduce_bucket_size", current=200_000, new=100_000)])
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+@pytest.mark.parametrize("dp", [1, 2])
+def test_the_search_space_the_config_facts_and_the_patch_follow_the_one_bucket_rule(zero, dp):
+    acts = reduce_bucket_acts(zero, dp)
+    space = SearchSpace.build(pipeline_stages=2, data_parallel_size=dp, zero_stage=zero)
+    assert (space.bucket_range is not None) is acts
+    assert space.bucket_note.startswith("reduce_bucket_size searched" if acts else "reduce_bucket_size not searched")
+    cfg = DsConfig.from_dict({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4,
+                              "zero_optimization": {"stage": zero, "reduce_bucket_size": 200_000}})
+    facts = config_facts(cfg, stages=2, world_size=2 * dp)
+    assert (facts.get("reduce_bucket_size") is not None) is acts
+    patched = patch_config(cfg, [_bucket_finding(dp)])
+    assert patched["zero_optimization"]["reduce_bucket_size"] == (100_000 if acts else 200_000)

@@ -73,3 +73,25 @@ def test_the_presets_layer_limit_binds_the_built_in_workload_only():
     with pytest.raises(UserError, match="exceeds the 6 layers of preset tiny"):
         validate(opts)
     validate(opts, built_in=False)  # the user's own model: their stages, not the preset's
+
+
+def test_watch_takes_the_endpoint_options_of_run_from_the_one_declaration():
+    from autotune.options import endpoint_fields
+    from autotune.usercmd.watch import WatchOptions
+
+    def params(command: str) -> dict[str, object]:
+        return {p.name: p for p in cli.commands[command].params}
+
+    run, watch = params("run"), params("watch")
+    names = [f.name for f in endpoint_fields()]
+    assert names == ["metrics_port", "rank_metrics_port", "metrics_addr", "no_metrics"]
+    for name in names:
+        a, b = run[name], watch[name]
+        assert (a.opts, a.default, a.help, a.is_flag, a.type.name) == (b.opts, b.default, b.help, b.is_flag, b.type.name)
+        assert getattr(WatchOptions(), name) == a.default  # watch's own defaults are the declaration's
+    for command in ("run", "watch"):
+        out = CliRunner().invoke(cli, [command, "--help"], terminal_width=200).output
+        for f in endpoint_fields():
+            flag = "--" + f.name.replace("_", "-")
+            entry = re.split(rf"  {re.escape(flag)}[ \n]", out, maxsplit=1)[1].split("\n  --", 1)[0]
+            assert " ".join(f.metadata["help"].split()[:4]) in " ".join(entry.split()), (command, flag)

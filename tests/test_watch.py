@@ -127,3 +127,21 @@ def test_bad_input_is_one_line_and_exit_2_and_starts_nothing(job, command, messa
     assert message in result.output and result.output.startswith("autotune: error: ")
     assert result.output.count("\n") == 1
     assert not (job / "w").exists()
+
+
+@pytest.mark.parametrize("options, message", [
+    (["--metrics-port", "0"], "--metrics-port must be a port 1-65535, got 0"),
+    (["--rank-metrics-port", "70000"], "--rank-metrics-port must be a port 1-65535, got 70000"),
+    (["--metrics-addr", "a b;rm -rf"], "--metrics-addr 'a b;rm -rf': use an IP address or a host name"),
+])
+def test_bad_endpoint_options_are_refused_as_run_refuses_them(job, options, message):
+    from autotune.cli import cli
+
+    command = ["deepspeed", str(job / "train.py"), "--deepspeed_config", str(job / "ds.json")]
+    result = CliRunner().invoke(cli, ["watch", "--out", str(job / "w"), *options, "--", *command])
+    assert result.exit_code == 2, result.output
+    assert result.output.startswith(f"autotune: error: {message}")
+    assert result.output.count("\n") == 1
+    assert not (job / "w").exists()
+    run = CliRunner().invoke(cli, ["run", "--study", str(job / "s"), *options])
+    assert run.exit_code == 2 and message in run.output, run.output

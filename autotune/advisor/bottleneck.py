@@ -216,7 +216,8 @@ TYPE_TOLERANCE = 0.02
 slowest stage (autotune.balance.builtin_equivalent's tolerance)."""
 NO_GAIN = 0.05
 """Where the balanced parts are predicted no more than this faster than the measured partition,
-no partition is proposed (autotune.balance: NOISE x GAIN_OF_NOISE, the gain a round needs)."""
+no partition is proposed (autotune.noise.NOISE_MARGIN x autotune.balance.GAIN_OF_NOISE, the gain a
+round needs)."""
 
 
 def _no_gain(lc: Any, best: list[int], lead: str) -> str | None:

@@ -9,7 +9,12 @@ from __future__ import annotations
 
 from autotune.advisor.signals import SignalSet, layout_values
 from autotune.advisor.targets import BUCKET_KEYS, byte_like, get_dotted
-from autotune.dsconfig import DEEPSPEED_DEFAULT_BUCKET, PIPELINE_KEYS_READ, DsConfig
+from autotune.dsconfig import (
+    DEEPSPEED_DEFAULT_BUCKET,
+    PIPELINE_KEYS_READ,
+    DsConfig,
+    reduce_bucket_acts,
+)
 from autotune.errors import ConfigError
 from autotune.summary import ideal_bubble_fraction
 
@@ -86,7 +91,7 @@ def _layout(cfg: DsConfig, stages: int | None, world_size: int | None) -> dict[s
     if dp is not None:
         layout = cfg.resolve_batch(dp)
         micro, gas = layout.micro_batch_size, layout.gradient_accumulation_steps
-    bucket = cfg.reduce_bucket_size if cfg.zero_stage == 1 and (dp is None or dp > 1) else None
+    bucket = cfg.reduce_bucket_size if reduce_bucket_acts(cfg.zero_stage, dp) else None
     values = layout_values(micro, gas, stages, dp, bucket)
     values["bubble_fraction_ideal"] = (ideal_bubble_fraction(stages, gas)
                                        if stages is not None and gas is not None else None)

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from autotune.advisor.findings import Change, Finding
-from autotune.dsconfig import DsConfig
+from autotune.dsconfig import DsConfig, reduce_bucket_acts
 from autotune.errors import ConfigError
 
 
@@ -71,7 +71,7 @@ def _apply_trial(raw: dict[str, Any], cfg: DsConfig, trial: dict[str, int], dp: 
     if dp is not None:
         layout = cfg.resolve_batch(dp)
         mb, gas = layout.micro_batch_size, layout.gradient_accumulation_steps
-    if "reduce_bucket_size" in trial and cfg.zero_stage == 1:
+    if "reduce_bucket_size" in trial and reduce_bucket_acts(cfg.zero_stage, dp):
         raw.setdefault("zero_optimization", {})["reduce_bucket_size"] = trial["reduce_bucket_size"]
     mb = trial.get("micro_batch_size", mb)
     gas = trial.get("gradient_accumulation_steps", gas)

@@ -11,8 +11,8 @@ more than a measurement can even resolve:
   is about 1 %), is below ``ratio x noise``;
 - the incumbent is the best configuration by its mean measured throughput; its value
   is the GP's posterior mean there, not its (possibly lucky) single reading;
-- the noise is the proposer's assumed relative noise (0.10: real CPU trials repeat
-  within about 14 %), or, once repeated measurements give at least `MIN_DOF` degrees
+- the noise is the proposer's assumed relative noise (`autotune.noise.NOISE_MARGIN`, 0.10:
+  real CPU trials repeat within about 14 %), or, once repeated measurements give at least `MIN_DOF` degrees
   of freedom, their pooled relative spread (never below `NOISE_FLOOR`: a few lucky
   repeats must not make every difference look significant).
 

@@ -44,6 +44,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 
+from autotune.noise import NOISE_MARGIN
 from autotune.proposers import convergence
 from autotune.proposers.base import Proposal, TrialResult
 from autotune.proposers.bayes import BayesProposer, Surrogate
@@ -90,7 +91,7 @@ class HybridProposer:
 
     def __init__(self, space: SearchSpace, *, seed: int = 0, moves: MovesFn | None = None,
                  budget: int | None = None, rule_phase: int = 8, rule_bonus: float = 0.5,
-                 n_initial_points: int = 3, noise: float = 0.10, remeasure_slots: int = 1,
+                 n_initial_points: int = 3, noise: float = NOISE_MARGIN, remeasure_slots: int = 1,
                  max_rechecks: int = 2, feasibility: FeasibilityModel | None = None,
                  min_trials: int = 10, stop_ratio: float = 0.25, patience: int = 5) -> None:
         self.space = space

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from autotune.noise import NOISE_MARGIN
+
 ENV = "AUTOTUNE_USERCMD"
 """The controller's settings for the ranks, as JSON (BootstrapSettings)."""
 FILE_ENV = "AUTOTUNE_USERCMD_FILE"
@@ -64,7 +66,7 @@ class BootstrapSettings:
     """The cap of measured steps with adaptive steps (0: `steps`)."""
     incumbent_samples_per_second: float | None = None
     """Stop the trial early when it cannot plausibly beat this (adaptive steps only)."""
-    noise: float = 0.10
+    noise: float = NOISE_MARGIN
     limits: dict | None = None
     """How long start-up and a step may take before the rank counts as stalled
     (autotune/watchdog.py StallLimits as a dict); None: no watchdog (`watch` never has one)."""

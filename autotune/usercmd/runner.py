@@ -28,6 +28,7 @@ from autotune.dsconfig import DEEPSPEED_DEFAULT_BUCKET, DsConfig
 from autotune.judge import TrialOutcome, failed, judge
 from autotune.launcher import LaunchOutcome, LaunchSpec, TrialProcess, free_port, run_launch
 from autotune.multinode import Cluster, node_env, resolve_cluster, stop_on_nodes
+from autotune.noise import NOISE_MARGIN
 from autotune.space import TrialConfig
 from autotune.trial import prepare_trial_dir
 from autotune.trial_contract import TrialRequest
@@ -244,7 +245,7 @@ class UserCommandRunner:
                                  adaptive_steps=self.step_length[0], step_precision=self.step_length[1],
                                  max_steps=self.step_length[2],
                                  incumbent_samples_per_second=incumbent.samples_per_second if incumbent else None,
-                                 noise=incumbent.noise if incumbent else 0.10,
+                                 noise=incumbent.noise if incumbent else NOISE_MARGIN,
                                  limits=request.stall.to_dict() if request.stall is not None else None)
 
     def run(self, request: TrialRequest) -> TrialOutcome:

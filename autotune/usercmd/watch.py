@@ -12,7 +12,7 @@ stopped. Meanwhile this process
   steps of each rank's CSV, and prints the findings when they change,
 - passes the job's exit code through; on SIGINT/SIGTERM stops the whole process
   group (ranks, launcher, endpoint children), removes DeepSpeed's /dev/shm
-  buffers and returns 128 + the signal (130 for Ctrl-C).
+  buffers and returns 128 + the signal (130 for Ctrl-C; autotune/stop_signals.py).
 
 Each watch writes a new folder OUT/run-NNN (nothing of an earlier watch is overwritten).
 """
@@ -20,11 +20,8 @@ Each watch writes a new folder OUT/run-NNN (nothing of an earlier watch is overw
 from __future__ import annotations
 
 import json
-import signal
 import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,11 +30,20 @@ from autotune.errors import InputFileError, UserError
 from autotune.fileio import write_atomic
 from autotune.launcher import LaunchSpec, free_port
 from autotune.multinode import resolve_cluster, stop_on_nodes
+from autotune.options import endpoint_defaults
+from autotune.stop_signals import (
+    Stopped,
+    default_stop_signals,
+    ignore_stop_signals,
+    stop_on_signals,
+)
 from autotune.usercmd.command import UserCommand, check_launcher_installed, parse_command
 from autotune.usercmd.hook import MODE_WATCH, BootstrapSettings
 from autotune.usercmd.runner import CommandProcess, multi_node_command, rank_env, read_markers
+from autotune.validation import validate_endpoints
 
 RUN_PREFIX = "run-"
+_ENDPOINTS = endpoint_defaults()
 POLL_SECONDS = 0.5
 
 
@@ -50,10 +56,11 @@ class WatchOptions:
     config: str | None = None
     """The config, for a command that takes it through the {config} placeholder."""
     job: str = "autotune"
-    metrics_port: int | None = 9700
-    rank_metrics_port: int | None = 9710
-    metrics_addr: str = "127.0.0.1"
-    no_metrics: bool = False
+    # The endpoint options are `autotune run`'s (autotune/options.py), defaults included.
+    metrics_port: int | None = _ENDPOINTS["metrics_port"]
+    rank_metrics_port: int | None = _ENDPOINTS["rank_metrics_port"]
+    metrics_addr: str = _ENDPOINTS["metrics_addr"]
+    no_metrics: bool = _ENDPOINTS["no_metrics"]
     interval: float = 10.0
     """Seconds between advisor evaluations."""
     window: int = 200
@@ -73,6 +80,7 @@ class PreparedWatch:
 
 def prepare(argv: list[str], opts: WatchOptions, *, cwd: Path) -> PreparedWatch:
     """Every check of the command and its config, before anything starts: one UserError each."""
+    validate_endpoints({name: getattr(opts, name) for name in _ENDPOINTS})  # as `autotune run` checks them
     if not any(a.strip() for a in argv):
         raise UserError("no training command after `--`; write it as: autotune watch -- deepspeed "
                         "train.py --deepspeed_config ds_config.json")
@@ -190,25 +198,6 @@ def _load_config(path: Path) -> Any:
 
 # --- running it ------------------------------------------------------------------------------
 
-class Stopped(KeyboardInterrupt):
-    def __init__(self, signum: int) -> None:
-        super().__init__(signum)
-        self.signum = signum
-
-
-@contextmanager
-def _signals_stop() -> Iterator[None]:
-    def handler(signum: int, frame: Any) -> None:
-        raise Stopped(signum)
-
-    old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
-
-
 class _LogEcho:
     """Prints what the job appends to its log (the job writes the file: our death never stalls it)."""
 
@@ -266,25 +255,23 @@ class Watch:
             else (lambda: None)
         echo = _LogEcho(spec.log_path, self.console.out if o.echo else (lambda text: None))
         try:
-            with _signals_stop():
+            with stop_on_signals():
                 error = proc.start()
                 if error is not None:
                     raise UserError(error)
                 rc = self._loop(proc, echo)
         except Stopped as stop:
-            for sig in (signal.SIGINT, signal.SIGTERM):  # the clean-up is not cut short
-                signal.signal(sig, signal.SIG_IGN)
+            ignore_stop_signals()  # the clean-up is not cut short (leaving the block restored the handlers)
             try:
                 proc.stop(grace=5.0)  # the whole group: launcher, ranks, their endpoint children
                 self.stop_nodes()  # and the other nodes' ranks (sshd's children there)
                 echo.pump(final=True)
             finally:
                 self._close()
-                for sig in (signal.SIGINT, signal.SIGTERM):
-                    signal.signal(sig, signal.SIG_DFL)
-            note(f"watch: stopped ({signal.Signals(stop.signum).name}): every rank of the job was stopped; "
+                default_stop_signals()
+            note(f"watch: stopped ({stop.name}): every rank of the job was stopped; "
                  f"metrics so far in {self.run_dir}")
-            return 128 + stop.signum
+            return stop.exit_code
         except BaseException:
             proc.stop(grace=2.0)
             self.stop_nodes()

@@ -13,6 +13,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from autotune.noise import NOISE_MARGIN
 from autotune.options import WorkloadOptions
 
 SPEC_NAME = "trial.json"
@@ -38,7 +39,7 @@ class TrialSpec:
     incumbent_samples_per_second: float | None = None
     """The best trial's samples/s so far: with adaptive steps, a trial that cannot plausibly beat it
     (by more than `noise`) stops early (autotune/step_budget.py). None: never stopped early."""
-    noise: float = 0.10
+    noise: float = NOISE_MARGIN
     """The between-launch noise margin of that comparison (the tuner's, HybridProposer.noise)."""
     limits: dict | None = None
     """How long start-up and a step may take before the rank counts as stalled

@@ -1,0 +1,63 @@
+"""The between-launch noise margin is written once (autotune/noise.py) and every user takes it from there."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+from pathlib import Path
+
+from autotune.balance import StageBalancer
+from autotune.noise import NOISE_MARGIN
+from autotune.proposers.hybrid import HybridProposer
+from autotune.step_budget import rank_budget
+from autotune.usercmd.hook import BootstrapSettings
+from autotune.workload.trial_spec import TrialSpec
+
+REPO = Path(__file__).resolve().parent.parent
+MARGIN_NAMES = {"noise", "NOISE", "DEFAULT_NOISE", "NOISE_MARGIN"}
+"""The names the margin went by while it was written in each module."""
+
+
+def test_every_default_of_the_margin_is_the_one_constant():
+    assert 0 < NOISE_MARGIN < 1
+    assert inspect.signature(HybridProposer).parameters["noise"].default == NOISE_MARGIN
+    assert inspect.signature(StageBalancer).parameters["noise"].default == NOISE_MARGIN
+    assert inspect.signature(rank_budget).parameters["noise"].default == NOISE_MARGIN
+    for cls in (TrialSpec, BootstrapSettings):
+        assert {f.name: f.default for f in dataclasses.fields(cls)}["noise"] == NOISE_MARGIN, cls
+
+
+def _numbers(node: ast.AST | None) -> list[float]:
+    if node is None:
+        return []
+    return [n.value for n in ast.walk(node) if isinstance(n, ast.Constant)
+            and isinstance(n.value, float)]
+
+
+def _name(target: ast.AST) -> str | None:
+    return target.id if isinstance(target, ast.Name) else target.attr if isinstance(target, ast.Attribute) else None
+
+
+def test_no_module_but_autotune_noise_writes_the_margin_as_a_number():
+    found = []
+    for pkg in ("autotune", "exporters"):
+        for path in sorted((REPO / pkg).rglob("*.py")):
+            if path == REPO / "autotune" / "noise.py":
+                continue
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                pairs: list[tuple[str | None, ast.AST | None]] = []
+                if isinstance(node, ast.arguments):  # def f(noise=0.10), keyword-only included
+                    args = [*node.posonlyargs, *node.args]
+                    with_default = args[len(args) - len(node.defaults):]
+                    pairs += [(a.arg, d) for a, d in zip(with_default, node.defaults, strict=True)]
+                    pairs += [(a.arg, d) for a, d in zip(node.kwonlyargs, node.kw_defaults, strict=True)]
+                elif isinstance(node, ast.keyword):  # f(noise=x if y else 0.10)
+                    pairs.append((node.arg, node.value))
+                elif isinstance(node, ast.AnnAssign):  # noise: float = 0.10
+                    pairs.append((_name(node.target), node.value))
+                elif isinstance(node, ast.Assign):  # NOISE = 0.10, self.noise = 0.10
+                    pairs += [(_name(t), node.value) for t in node.targets]
+                found += [f"{path.relative_to(REPO)}:{name}" for name, value in pairs
+                          if name in MARGIN_NAMES and _numbers(value)]
+    assert found == [], "the noise margin is autotune.noise.NOISE_MARGIN; import it"
