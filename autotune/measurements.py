@@ -23,6 +23,9 @@ RECHECK = "partition-recheck"
 REFERENCE = "partition-reference"
 """The partition in force again, after RECHECK (the pair in the order A B B A)."""
 OWN_SOURCES = (SOURCE, COSTS, RECHECK, REFERENCE)
+KNOB_SOURCE_PREFIX = "knob:"
+"""A knob trial of a user's script: source `knob:NAME=VALUE` (written by autotune/usercmd/knobs.py,
+named here so that the study and its readers need not import the feature)."""
 HOOKED = ("baseline", *OWN_SOURCES)
 """Trials that run with the layer-cost hooks on (each round's trials cost the same to measure)."""
 
@@ -45,8 +48,6 @@ def superseded(trials: list[Any]) -> set[int]:
     is the same case, another model setting at the baseline's key, and `KnobSweep` keeps a
     value by the same rule (faster than the measurement in force), so each is a round here.
     """
-    from autotune.usercmd.knobs import SOURCE_PREFIX as KNOB
-
     def measured(t: Any) -> bool:
         return t.status == "ok" and t.samples_per_second is not None
 
@@ -76,7 +77,7 @@ def superseded(trials: list[Any]) -> set[int]:
         if t.source in ("baseline", COSTS):
             close()
             reference = [t] if measured(t) else []
-        elif t.source == SOURCE or t.source.startswith(KNOB):
+        elif t.source == SOURCE or t.source.startswith(KNOB_SOURCE_PREFIX):
             close()
             candidate = [t]
         elif t.source == RECHECK and candidate:

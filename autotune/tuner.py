@@ -34,6 +34,7 @@ from autotune.proposers.base import STATUS_FAILED, STATUS_OK, Proposal, Proposer
 from autotune.space import SearchSpace, TrialConfig
 from autotune.study import STATUS_INTERRUPTED, STATUS_RUNNING, Study, TrialRow
 from autotune.study_outputs import write_outputs
+from autotune.study_results import StudyResults
 from autotune.summary import TrialSummary
 from autotune.trial import TrialRunner
 from autotune.trial_limits import TrialLimits, limits_for
@@ -46,7 +47,8 @@ DEFAULT_NOISE = 0.10
 
 @dataclass(kw_only=True, slots=True)
 class TuneResult:
-    summary: dict[str, Any]
+    results: StudyResults
+    """The study's results as written at the end (summary.json is `results.to_dict()`)."""
     interrupted: bool = False
     exit_code: int = 0
     """130 after Ctrl-C, 143 after SIGTERM, else 0."""
@@ -133,17 +135,17 @@ class Tuner:
                 for sig in (signal.SIGINT, signal.SIGTERM):  # the cleanup is not cut short
                     signal.signal(sig, signal.SIG_IGN)
                 self.study.interrupt_running()
-                summary = self._write()
+                results = self._write()
                 self.display.note(f"interrupted ({signal.Signals(signum).name}): the running trial was "
                                   "stopped; the study is consistent and the best configuration so far "
                                   "is written. Resume with --resume.")
-                return TuneResult(summary=summary, interrupted=True, exit_code=128 + int(signum))
+                return TuneResult(results=results, interrupted=True, exit_code=128 + int(signum))
         getattr(self.runner, "begin_close", lambda: None)()  # the ranks exit while the outputs are written
-        summary = self._write()
+        results = self._write()
         from autotune.report_html import at_end_of_run
 
         at_end_of_run(self.study, self.display.note)  # report.html, or one note saying why not
-        return TuneResult(summary=summary)
+        return TuneResult(results=results)
 
     def _marker(self, number: int) -> str:
         """What every process of trial `number` has on its command line: a path in its folder.
@@ -338,7 +340,7 @@ class Tuner:
                                 "would: fix that, then resume with --resume")
         self._startup_hang = where
 
-    def _write(self) -> dict[str, Any]:
+    def _write(self) -> StudyResults:
         best = self.study.best()
         best_cfg = self.runner.ds_config_for(best.config) if best else None
         return write_outputs(self.study, best_cfg)

@@ -32,6 +32,7 @@ from typing import Any
 
 from autotune.errors import UserError
 from autotune.fileio import write_atomic
+from autotune.measurements import KNOB_SOURCE_PREFIX as SOURCE_PREFIX
 from autotune.proposers.base import Proposal
 
 PLACE = "{value}"
@@ -39,7 +40,6 @@ KNOWN = {"partition_method": ("parameters", "uniform"), "activation_checkpoint_i
 """Default candidates of the knobs every PipelineModule has (its constructor's arguments)."""
 REFUSED = {"stages": "the stage count is the engine's (measured on the start-up check); another "
                      "count changes the ranks, so it cannot be swept inside one study"}
-SOURCE_PREFIX = "knob:"
 RESULT_NAME = "knobs.json"
 TRIAL_FILE = "knobs.json"
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
