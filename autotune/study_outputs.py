@@ -12,17 +12,15 @@ from autotune.balance import describe_result
 from autotune.fileio import write_atomic
 from autotune.space import TrialConfig
 from autotune.study import Study
-from autotune.study_results import StudyResults, read_results
+from autotune.study_results import StudyResults
 
 
-def write_outputs(study: Study, best_ds_config: dict | None) -> StudyResults:
-    """summary.json (`StudyResults.to_dict`), best_ds_config.json and report.md; returns the results."""
-    results = read_results(study)
+def write_outputs(study: Study, results: StudyResults, best_ds_config: dict | None) -> None:
+    """summary.json (`results.to_dict()`), best_ds_config.json (`results.best`'s) and report.md."""
     write_atomic(study.root / "summary.json", json.dumps(results.to_dict(), indent=2) + "\n")
     if best_ds_config is not None:
         write_atomic(study.root / "best_ds_config.json", json.dumps(best_ds_config, indent=2) + "\n")
     write_atomic(study.root / "report.md", render_markdown(results))
-    return results
 
 
 def render_markdown(results: StudyResults) -> str:

@@ -34,7 +34,7 @@ from autotune.proposers.base import STATUS_FAILED, STATUS_OK, Proposal, Proposer
 from autotune.space import SearchSpace, TrialConfig
 from autotune.study import STATUS_INTERRUPTED, STATUS_RUNNING, Study, TrialRow
 from autotune.study_outputs import write_outputs
-from autotune.study_results import StudyResults
+from autotune.study_results import StudyResults, read_results
 from autotune.summary import TrialSummary
 from autotune.trial import TrialRunner
 from autotune.trial_limits import TrialLimits, limits_for
@@ -341,9 +341,10 @@ class Tuner:
         self._startup_hang = where
 
     def _write(self) -> StudyResults:
-        best = self.study.best()
-        best_cfg = self.runner.ds_config_for(best.config) if best else None
-        return write_outputs(self.study, best_cfg)
+        results = read_results(self.study)  # one snapshot: summary.json's best is best_ds_config.json's
+        best_cfg = self.runner.ds_config_for(results.best.config) if results.best else None
+        write_outputs(self.study, results, best_cfg)
+        return results
 
 
 def _result_from_row(t: TrialRow) -> TrialResult:

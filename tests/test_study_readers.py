@@ -101,7 +101,8 @@ def test_the_typed_results_are_summary_json_report_md_and_the_page(tmp_path):
 
     root = full_study(tmp_path / "st")
     with _writer(root) as s:
-        written = write_outputs(s, None)
+        written = read_results(s)
+        write_outputs(s, written, None)
     ro = open_study_readonly(root)
     try:
         results = read_results(ro)

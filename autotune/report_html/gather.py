@@ -2,9 +2,10 @@
 
 Nothing here draws or writes. A study folder is opened read-only by
 `autotune.study.open_study_readonly` (a folder that is not a valid study, or a study
-of another format, is refused with one line before anything is touched); its
-baseline, best and speed-up are `autotune.study_results`'s. Per-step data comes from each trial's `metrics-rank*.csv` through the
-project's own readers; what cannot be read becomes a sentence in `missing`.
+of another format, is refused with one line before anything is touched); its trials,
+baseline, best and speed-up are `autotune.study_results`'s, as summary.json's are.
+Per-step data comes from each trial's `metrics-rank*.csv` through the project's own
+readers; what cannot be read becomes a sentence in `missing`.
 """
 
 from __future__ import annotations
@@ -168,8 +169,8 @@ def gather_study(study: Study) -> StudyReport:
 
     report = StudyReport(
         root=study.root, settings=_meta(study, "settings"), space=space,
-        workload=_meta(study, "workload"), results=results, measurements=measurements, knobs=_knobs(trials, space), steps={},
-        findings=[], config_diff=[], user_command=_meta(study, META_KEY),
+        workload=_meta(study, "workload"), results=results, measurements=measurements,
+        knobs=_knobs(trials, space), steps={}, findings=[], config_diff=[], user_command=_meta(study, META_KEY),
     )
     _explain_missing(report)
     wanted = [t for t in (baseline, best) if t is not None and t.status == STATUS_OK]
