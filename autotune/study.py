@@ -288,8 +288,8 @@ def counted_of(trials: list[TrialRow]) -> list[TrialRow]:
 def open_study_readonly(root: str | Path) -> Study:
     """A Study on a read-only connection; StudyError (one line) unless `root` is a valid study.
 
-    Every reader of a study goes through here or `stored_meta` (`autotune report`, the end of
-    a run's page, a resume's stored command and budget); only the controller opens it for
+    Every reader of a study goes through here (`autotune report`) or `stored_meta` (what a
+    new run reads first: the stored budget and command); only the controller opens it for
     writing (`Study.open`). The checks are those of `Study.open`, made first on an immutable
     view of the database file, which creates nothing beside it (a plain read-only open of a
     WAL database would create its -shm and -wal files): a refused folder is left exactly as
