@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import sys
+from typing import TYPE_CHECKING
 
 import click
 
 from autotune import __version__
 from autotune.errors import AutotuneError
 from autotune.options import click_options
+
+if TYPE_CHECKING:
+    from autotune.study_results import StudyResults
 
 
 class _ReportedError(click.ClickException):
@@ -61,28 +65,28 @@ def run_cmd(**kw) -> None:
     except KeyboardInterrupt:  # before the first trial started: nothing to stop
         click.echo("autotune: interrupted before any trial ran; nothing to clean up", err=True)
         sys.exit(130)
-    _print_outcome(result.summary, opts.study)
+    _print_outcome(result.results, opts.study)
     if result.interrupted:
         sys.exit(result.exit_code or 130)
 
 
-def _print_outcome(summary: dict, study: str) -> None:
-    best, base = summary.get("best"), summary.get("baseline")
+def _print_outcome(results: StudyResults, study: str) -> None:
+    best, base = results.best, results.baseline
     if best is None:
         click.echo("no trial succeeded; see the launcher logs in the study folder", err=True)
         return
     click.echo(
-        f"\nbest: trial {best['trial']}: micro {best['micro_batch_size']}, GAS "
-        f"{best['gradient_accumulation_steps']}, reduce_bucket_size {best['reduce_bucket_size'] or 'not tuned'}"
-        f" -> {best['samples_per_second']:.1f} samples/s"
-        + (f" (mean of {best['measurements']} runs)" if best.get("measurements", 1) > 1 else "")
+        f"\nbest: trial {best.number}: micro {best.config.micro_batch_size}, GAS "
+        f"{best.config.gradient_accumulation_steps}, reduce_bucket_size {best.config.reduce_bucket_size or 'not tuned'}"
+        f" -> {best.samples_per_second:.1f} samples/s"
+        + (f" (mean of {best.repeats} runs)" if best.repeats > 1 else "")
     )
-    if base and base.get("samples_per_second") and summary.get("speedup_over_baseline"):
-        click.echo(f"baseline: {base['samples_per_second']:.1f} samples/s; "
-                   f"speed-up {summary['speedup_over_baseline']:.2f}x")
+    if base and base.samples_per_second and results.speedup:
+        click.echo(f"baseline: {base.samples_per_second:.1f} samples/s; "
+                   f"speed-up {results.speedup:.2f}x")
     from autotune.balance import describe_result
 
-    partition = describe_result(summary.get("partition"))  # --balance-stages: what the code needs
+    partition = describe_result(results.partition)  # --balance-stages: what the code needs
     if partition:
         click.echo(partition)
     click.echo(f"wrote {study}/best_ds_config.json, {study}/summary.json, {study}/report.md")

@@ -1,6 +1,10 @@
 """The study: a folder with a SQLite database of every trial, one folder per trial,
 and the files written for users (best_ds_config.json, summary.json).
 
+The controller opens it for writing (`Study.open`, one controller at a time: `lock`);
+every reader opens it read-only (`open_study_readonly`, or `stored_meta` for one value
+before a run starts), which a live run holding the study does not block.
+
 SQLite in WAL mode with one transaction per state change, so a controller
 killed at any moment leaves a consistent database; user-facing files are
 written atomically (temp file + rename).
@@ -261,13 +265,7 @@ class Study:
 
     def counted(self) -> list[TrialRow]:
         """Finished trials (ok or failed): the ones the budget counts, one per trial number."""
-        seen: set[int] = set()
-        out = []
-        for t in self.trials():
-            if t.status in COUNTED and t.number not in seen:
-                seen.add(t.number)
-                out.append(t)
-        return out
+        return counted_of(self.trials())
 
     def best(self) -> TrialRow | None:
         """The configuration with the highest mean samples/s over its successful trials (`best_of`)."""
@@ -276,27 +274,118 @@ class Study:
         return best_of(self.trials())
 
 
-def stored_budget(root: str | Path) -> int | None:
-    """The budget a study was last run with (read-only; None when there is no readable one)."""
+def counted_of(trials: list[TrialRow]) -> list[TrialRow]:
+    """Of these rows, the finished trials (ok or failed), the first of each trial number."""
+    seen: set[int] = set()
+    out = []
+    for t in trials:
+        if t.status in COUNTED and t.number not in seen:
+            seen.add(t.number)
+            out.append(t)
+    return out
+
+
+def open_study_readonly(root: str | Path) -> Study:
+    """A Study on a read-only connection; StudyError (one line) unless `root` is a valid study.
+
+    Every reader of a study goes through here (`autotune report`) or `stored_meta` (what a
+    new run reads first: the stored budget and command); only the controller opens it for
+    writing (`Study.open`). The checks are those of `Study.open`, made first on an immutable
+    view of the database file, which creates nothing beside it (a plain read-only open of a
+    WAL database would create its -shm and -wal files): a refused folder is left exactly as
+    it was. Only a valid study is then opened for reading (read-only, no lock, no column
+    added), so that trials a running controller has committed to its WAL are seen too: a
+    live run holding the study does not keep anyone from reading it.
+    """
+    root = Path(root)
+    db = root / DB_NAME
+    if not root.is_dir():
+        raise StudyError(f"{root}: {'not a folder' if root.exists() else 'no such study folder'}")
+    if not db.is_file():
+        raise StudyError(f"{root}: holds no {DB_NAME}; it is not an autotune study")
+    wal = db.with_name(DB_NAME + "-wal")
+    if not (wal.is_file() and wal.stat().st_size > 0):  # else the WAL holds what the file lacks
+        probe = _opened_ro(db, immutable=True)
+        _check_readable(db, probe, root)
+        probe.close()
+    conn = _opened_ro(db, immutable=False)
+    _check_readable(db, conn, root)
+    return Study(root, conn)
+
+
+def stored_meta(root: str | Path, key: str) -> str | None:
+    """One meta value of a study as stored (its JSON text), read-only, without the study's checks.
+
+    For what a new run needs before it opens the study (the budget, the user's command): None
+    where there is no database, no readable one or no such key. The study may be held by
+    nobody or by a live run; a study written before a column this version reads is still
+    read (`Study.open` adds the column when the run resumes it).
+    """
     db = Path(root) / DB_NAME
     if not db.is_file():
         return None
     try:
-        conn = sqlite3.connect(f"{db.resolve().as_uri()}?mode=ro", uri=True, timeout=30)
+        conn = _connect_ro(db)
         try:
-            row = conn.execute("SELECT value FROM meta WHERE key = 'budget'").fetchone()
+            row = conn.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
         finally:
             conn.close()
-        value = json.loads(row[0]) if row else None
-    except (sqlite3.Error, ValueError):
+    except sqlite3.Error:
+        return None
+    return row[0] if row else None
+
+
+def stored_budget(root: str | Path) -> int | None:
+    """The budget a study was last run with (read-only; None when there is no readable one)."""
+    raw = stored_meta(root, "budget")
+    try:
+        value = json.loads(raw) if raw is not None else None
+    except ValueError:
         return None
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else None
+
+
+def _connect_ro(db: Path, *, immutable: bool = False) -> sqlite3.Connection:
+    """The one read-only connection to a study database: SQLite's `mode=ro` URI (never creates
+    the file), waiting up to 30 s for a writer's lock as the controller's own connection does.
+    `immutable`: read the file alone, creating no -wal or -shm beside it."""
+    uri = f"{db.resolve().as_uri()}?mode=ro" + ("&immutable=1" if immutable else "")
+    return sqlite3.connect(uri, uri=True, timeout=30)
+
+
+def _opened_ro(db: Path, *, immutable: bool) -> sqlite3.Connection:
+    try:
+        return _connect_ro(db, immutable=immutable)
+    except sqlite3.Error as exc:
+        raise StudyError(f"{db}: cannot open ({exc})") from None
+
+
+def _check_readable(db: Path, conn: sqlite3.Connection, root: Path) -> None:
+    """Our tables, our format, every column this version reads; closes `conn` when refusing."""
+    try:
+        names = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+        if not {"meta", "trials"} <= names:
+            raise StudyError(f"{db}: not an autotune study database" if names else
+                             f"{db}: empty study database (the controller died while creating it)")
+        row = conn.execute("SELECT value FROM meta WHERE key = 'format'").fetchone()
+        if row is None:
+            raise StudyError(f"{db}: not an autotune study database (no format recorded)")
+        if row[0] != str(STUDY_FORMAT):
+            raise StudyError(f"{root}: study format {row[0]}, this autotune reads format {STUDY_FORMAT}; "
+                             "a newer autotune wrote it: report on it with that version")
+        Study(root, conn).trials()
+    except sqlite3.Error as exc:
+        conn.close()
+        raise StudyError(f"{db}: not readable as an autotune study ({exc})") from None
+    except StudyError:
+        conn.close()
+        raise
 
 
 def _probe_readonly(path: Path) -> None:
     """Open read-only and look for our tables: a foreign or damaged file is refused untouched."""
     try:
-        conn = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True, timeout=30)
+        conn = _connect_ro(path)
     except sqlite3.Error as exc:
         raise StudyError(f"{path}: cannot open ({exc}); choose another --study") from None
     try:

@@ -32,6 +32,7 @@ from autotune.proposers.base import STATUS_FAILED, STATUS_OK, Proposal, Proposer
 from autotune.space import SearchSpace, TrialConfig
 from autotune.stop_signals import Stopped, ignore_stop_signals, stop_on_signals
 from autotune.study import STATUS_INTERRUPTED, STATUS_RUNNING, Study, TrialRow
+from autotune.study_results import StudyResults
 from autotune.summary import TrialSummary
 from autotune.trial_contract import Incumbent, Runner, TrialRequest
 from autotune.trial_kind import BASELINE
@@ -42,7 +43,8 @@ from autotune.tuning_steps import SettingStep, TrialEnd, TunerCallback
 
 @dataclass(kw_only=True, slots=True)
 class TuneResult:
-    summary: dict[str, Any]
+    results: StudyResults
+    """The study's results as written at the end (summary.json is `results.to_dict()`)."""
     interrupted: bool = False
     exit_code: int = 0
     """130 after Ctrl-C, 143 after SIGTERM, else 0."""
@@ -109,17 +111,17 @@ class Tuner:
                 stop = Stopped.of(exc)
                 ignore_stop_signals()  # the cleanup is not cut short
                 self.study.interrupt_running()
-                summary = self.outputs.write()
+                results = self.outputs.write()
                 self.note(f"interrupted ({stop.name}): the running trial was "
                           "stopped; the study is consistent and the best configuration so far "
                           "is written. Resume with --resume.")
-                return TuneResult(summary=summary, interrupted=True, exit_code=stop.exit_code)
+                return TuneResult(results=results, interrupted=True, exit_code=stop.exit_code)
         self.runner.begin_close()  # the ranks exit while the outputs are written
-        summary = self.outputs.write()
+        results = self.outputs.write()
         from autotune.report_html import at_end_of_run
 
         at_end_of_run(self.study, self.note)  # report.html, or one note saying why not
-        return TuneResult(summary=summary)
+        return TuneResult(results=results)
 
     def _marker(self, number: int) -> str:
         """What every process of trial `number` has on its command line: a path in its folder.

@@ -11,6 +11,7 @@ from autotune.judge import TrialOutcome
 from autotune.proposers.base import Proposal
 from autotune.study import Study
 from autotune.study_outputs import write_outputs
+from autotune.study_results import StudyResults, read_results
 from autotune.trial_contract import Runner
 from autotune.tuning_steps import TrialEnd
 
@@ -77,10 +78,11 @@ class StudyOutputs:
     def __init__(self, study: Study, runner: Runner) -> None:
         self.study, self.runner = study, runner
 
-    def write(self) -> dict[str, Any]:
-        best = self.study.best()
-        best_cfg = self.runner.ds_config_for(best.config) if best else None
-        return write_outputs(self.study, best_cfg)
+    def write(self) -> StudyResults:
+        results = read_results(self.study)  # one snapshot: summary.json's best is best_ds_config.json's
+        best_cfg = self.runner.ds_config_for(results.best.config) if results.best else None
+        write_outputs(self.study, results, best_cfg)
+        return results
 
     def trial_started(self, number: int, proposal: Proposal) -> None:
         """Nothing to write before the trial ends."""

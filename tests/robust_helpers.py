@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import json
 import os
-import sqlite3
 import subprocess
 import sys
 from pathlib import Path
 
 from autotune.launcher import processes_with
+from autotune.study import open_study_readonly
 
 FAST = ["--dp", "1", "--steps", "2", "--warmup-steps", "1", "--fixed-steps"]  # exactly 2: fast, countable
 FAST_CONFIG = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4,
@@ -28,11 +28,13 @@ def start_cli(*args: str, cwd: Path, env: dict | None = None) -> subprocess.Pope
 
 
 def rows(study: Path) -> list[tuple]:
-    db = sqlite3.connect(study / "study.db")
+    """(number, status, failure_reason, pgid) of every trial row, in the order they started: read
+    as every reader reads a study, read-only (a live run may hold it); StudyError until it is one."""
+    st = open_study_readonly(study)
     try:
-        return db.execute("SELECT number, status, failure_reason, pgid FROM trials ORDER BY id").fetchall()
+        return [(t.number, t.status, t.failure_reason, t.pgid) for t in st.trials()]
     finally:
-        db.close()
+        st.close()
 
 
 def alive_under(path: Path) -> list[int]:

@@ -3,6 +3,7 @@
 - no import cycle among the modules of `autotune` and `exporters`, lazy imports included;
 - the advisor knows nothing of the tuner: no `autotune.advisor` module imports a proposer;
 - the core reaches `exporters` only where a probe or a run is wired to its endpoints;
+- the study store reaches the data model only, never a feature (a step, the user's command);
 - no optional import is swallowed silently: each `except ImportError` is listed here, with why.
 """
 
@@ -19,6 +20,12 @@ PACKAGES = ("autotune", "exporters")
 # (`instrument()`, the one-liner) and of a run's controller endpoint. Exporters depend on
 # the core's data model (schema, summary, space), never the other way round elsewhere.
 CORE_TO_EXPORTERS = {"autotune.instrument", "autotune.session", "autotune.usercmd.watch"}
+
+# What the study store (`autotune.study`, with the rows' rules it asks: `autotune.measurements`)
+# may reach, lazy imports included: the data model. A feature that writes trials of its own
+# kind (the knob sweep, the partition step) names its source there, so the store never imports it.
+STORE_REACHES = {"autotune.study", "autotune.measurements", "autotune.space", "autotune.errors", "autotune.dsconfig",
+                 "autotune.trial_kind"}
 
 ALLOWED_IMPORT_FALLBACKS = {
     # Without torch there is no CUDA: the trial ranks get DeepSpeed's CPU accelerator.
@@ -96,6 +103,16 @@ def test_the_core_reaches_exporters_only_where_it_wires_them():
     users = {m for m in MODULES if m.startswith("autotune")
              and any(i.startswith("exporters") for i in _imports(m, module_level_only=False))}
     assert users <= CORE_TO_EXPORTERS, users - CORE_TO_EXPORTERS
+
+
+def test_the_store_imports_no_feature():
+    reached, todo = set(), ["autotune.study"]
+    while todo:
+        m = todo.pop()
+        if m not in reached:
+            reached.add(m)
+            todo += sorted(_imports(m, module_level_only=False))
+    assert reached <= STORE_REACHES, sorted(reached - STORE_REACHES)
 
 
 def test_no_silent_optional_import():

@@ -82,6 +82,26 @@ def test_summary_json_and_best(study):
     assert (root / "report.md").read_text().count("\n| ") >= 4
 
 
+def test_the_typed_results_are_summary_json_report_md_and_the_printed_lines(study):
+    from autotune.study import open_study_readonly
+    from autotune.study_outputs import render_markdown
+    from autotune.study_results import read_results
+
+    root, proc, _ = study
+    st = open_study_readonly(root)
+    try:
+        results = read_results(st)
+    finally:
+        st.close()
+    assert results.to_dict() == json.loads((root / "summary.json").read_text())
+    assert (root / "report.md").read_text() == render_markdown(results)
+    best = results.best
+    assert (f"best: trial {best.number}: micro {best.config.micro_batch_size}, "
+            f"GAS {best.config.gradient_accumulation_steps}, ") in proc.stdout
+    assert f"{best.samples_per_second:.1f} samples/s" in proc.stdout
+    assert f"speed-up {results.speedup:.2f}x" in proc.stdout
+
+
 def test_best_config_initializes_a_deepspeed_engine(study, tmp_path):
     root, *_ = study
     best = json.loads((root / "best_ds_config.json").read_text())

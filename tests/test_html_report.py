@@ -13,8 +13,8 @@ from html_study import CFGS, failed_trial, full_study, new_study, ok_trial
 from autotune.cli import cli
 from autotune.errors import StudyError, UserError
 from autotune.report_html import at_end_of_run, report_on_folder
-from autotune.report_html.gather import gather_study, open_study_readonly
-from autotune.study import Study
+from autotune.report_html.gather import gather_study
+from autotune.study import Study, open_study_readonly
 
 pytest.importorskip("matplotlib", reason="the report extra: pip install 'autotune[report]'")
 

@@ -6,14 +6,15 @@ import json
 import os
 import random
 import signal
-import sqlite3
 import time
 from pathlib import Path
 
 import pytest
 from robust_helpers import FAST, alive_under, rows, start_cli, write_config
 
+from autotune.errors import StudyError
 from autotune.launcher import group_alive, shm_buffers
+from autotune.study import open_study_readonly
 
 pytestmark = pytest.mark.slow
 
@@ -33,7 +34,7 @@ def running_with_pgid(study: Path, number: int):
         return None
     try:
         return next((r for r in rows(study) if r[0] == number and r[1] == "running" and r[3]), None)
-    except sqlite3.Error:
+    except StudyError:  # the controller is still creating it
         return None
 
 
@@ -53,12 +54,11 @@ def check_consistent(study: Path, *, current: bool = True) -> dict:
 
 
 def master_port(study: Path, number: int) -> int | None:
-    db = sqlite3.connect(study / "study.db")
+    st = open_study_readonly(study)
     try:
-        row = db.execute("SELECT master_port FROM trials WHERE number = ? ORDER BY id LIMIT 1", (number,)).fetchone()
-        return row[0] if row else None
+        return next((t.master_port for t in st.trials() if t.number == number), None)
     finally:
-        db.close()
+        st.close()
 
 
 def test_controller_killed_at_several_points_resumes_to_the_budget(tmp_path):

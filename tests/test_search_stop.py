@@ -147,7 +147,7 @@ def tune(root, *, budget: int, stop_early: bool = True) -> tuple[dict, FlatRunne
                        stop_early=stop_early).run()
     finally:
         study.close()
-    return result.summary, runner, notes
+    return result.results.to_dict(), runner, notes  # summary.json's content
 
 
 def test_the_loop_stops_says_why_once_and_records_it(tmp_path):

@@ -48,7 +48,7 @@ def write_study_report(study: Study, out_dir: Path | None = None) -> Written:
 def report_on_folder(root: str | Path, out_dir: str | Path | None = None) -> Written:
     """`autotune report`: open `root` read-only (refused unless a valid study), then write."""
     require("report")
-    from autotune.report_html.gather import open_study_readonly
+    from autotune.study import open_study_readonly
 
     study = open_study_readonly(root)
     try:

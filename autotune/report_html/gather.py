@@ -1,10 +1,11 @@
 """Everything the HTML report shows, gathered from a study or a metrics file, read-only.
 
-Nothing here draws or writes. A study folder is opened through a read-only SQLite
-connection after the same checks `Study.open` makes (a folder that is not a valid
-study, or a study of another format, is refused with one line before anything is
-touched). Per-step data comes from each trial's `metrics-rank*.csv` through the
-project's own readers; what cannot be read becomes a sentence in `missing`.
+Nothing here draws or writes. A study folder is opened read-only by
+`autotune.study.open_study_readonly` (a folder that is not a valid study, or a study
+of another format, is refused with one line before anything is touched); its trials,
+baseline, best and speed-up are `autotune.study_results`'s, as summary.json's are.
+Per-step data comes from each trial's `metrics-rank*.csv` through the project's own
+readers; what cannot be read becomes a sentence in `missing`.
 """
 
 from __future__ import annotations
@@ -12,23 +13,15 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
-import sqlite3
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from autotune.errors import InputFileError, StudyError
+from autotune.errors import InputFileError
 from autotune.space import TrialConfig
-from autotune.study import (
-    DB_NAME,
-    STATUS_INTERRUPTED,
-    STATUS_OK,
-    STATUS_RUNNING,
-    STUDY_FORMAT,
-    Study,
-    TrialRow,
-)
+from autotune.study import STATUS_INTERRUPTED, STATUS_OK, STATUS_RUNNING, Study, TrialRow
+from autotune.study_results import StudyResults, read_results
 from autotune.summary import TrialSummary, ideal_bubble_fraction
 
 KNOB_LABELS = {
@@ -90,13 +83,8 @@ class StudyReport:
     settings: dict[str, Any]
     space: dict[str, Any]
     workload: dict[str, Any]
-    trials: list[TrialRow]
-    """Every row, interrupted attempts included, in the order they started."""
-    counted: list[TrialRow]
-    """Finished trials (ok or failed), one per number: what the budget counts."""
-    baseline: TrialRow | None
-    best: TrialRow | None
-    """The best configuration's latest trial; samples_per_second is its mean, `repeats` its count."""
+    results: StudyResults
+    """The trials, the counted ones, the baseline, the best and the speed-up (autotune/study_results.py)."""
     measurements: dict[tuple, list[float]]
     """Configuration key -> samples/s of every successful trial of it."""
     knobs: list[str]
@@ -113,8 +101,27 @@ class StudyReport:
     """The user's command and what its start-up check read (autotune/usercmd/job.py); empty: built-in."""
 
     @property
+    def trials(self) -> tuple[TrialRow, ...]:
+        """Every row, interrupted attempts included, in the order they started."""
+        return self.results.trials
+
+    @property
+    def counted(self) -> tuple[TrialRow, ...]:
+        """Finished trials (ok or failed), one per number: what the budget counts."""
+        return self.results.counted
+
+    @property
+    def baseline(self) -> TrialRow | None:
+        return self.results.baseline
+
+    @property
+    def best(self) -> TrialRow | None:
+        """The best configuration's latest trial; samples_per_second is its mean, `repeats` its count."""
+        return self.results.best
+
+    @property
     def ok(self) -> list[TrialRow]:
-        return [t for t in self.counted if t.status == STATUS_OK and t.samples_per_second]
+        return self.results.ok
 
     @property
     def interrupted(self) -> list[TrialRow]:
@@ -122,9 +129,7 @@ class StudyReport:
 
     @property
     def speedup(self) -> float | None:
-        if self.best and self.baseline and self.baseline.status == STATUS_OK and self.baseline.samples_per_second:
-            return (self.best.samples_per_second or 0.0) / self.baseline.samples_per_second
-        return None
+        return self.results.speedup
 
 
 @dataclass(kw_only=True, slots=True)
@@ -147,69 +152,11 @@ class MetricsReport:
     """Each summary's subject name as `advise` prints it ("trial 3", "run"); empty: by trial number."""
 
 
-# -- opening a study read-only -------------------------------------------------------
-def open_study_readonly(root: str | Path) -> Study:
-    """A Study on a read-only connection; StudyError (one line) unless `root` is a valid study.
-
-    The checks are those of `Study.open`, made first on an immutable view of the database
-    file, which creates nothing beside it (a plain read-only open of a WAL database would
-    create its -shm and -wal files): a refused folder is left exactly as it was. Only a
-    valid study is then opened for reading (read-only, no lock, no column added), so that
-    trials a running controller has committed to its WAL are seen too.
-    """
-    root = Path(root)
-    db = root / DB_NAME
-    if not root.is_dir():
-        raise StudyError(f"{root}: {'not a folder' if root.exists() else 'no such study folder'}")
-    if not db.is_file():
-        raise StudyError(f"{root}: holds no {DB_NAME}; it is not an autotune study")
-    wal = db.with_name(DB_NAME + "-wal")
-    if not (wal.is_file() and wal.stat().st_size > 0):  # else the WAL holds what the file lacks
-        probe = _connect_ro(db, immutable=True)
-        _check(db, probe, root)
-        probe.close()
-    conn = _connect_ro(db, immutable=False)
-    _check(db, conn, root)
-    return Study(root, conn)
-
-
-def _connect_ro(db: Path, *, immutable: bool) -> sqlite3.Connection:
-    uri = f"{db.resolve().as_uri()}?mode=ro" + ("&immutable=1" if immutable else "")
-    try:
-        return sqlite3.connect(uri, uri=True, timeout=30)
-    except sqlite3.Error as exc:
-        raise StudyError(f"{db}: cannot open ({exc})") from None
-
-
-def _check(db: Path, conn: sqlite3.Connection, root: Path) -> None:
-    """Our tables, our format, every column this version reads; closes `conn` when refusing."""
-    try:
-        names = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
-        if not {"meta", "trials"} <= names:
-            raise StudyError(f"{db}: not an autotune study database" if names else
-                             f"{db}: empty study database (the controller died while creating it)")
-        row = conn.execute("SELECT value FROM meta WHERE key = 'format'").fetchone()
-        if row is None:
-            raise StudyError(f"{db}: not an autotune study database (no format recorded)")
-        if row[0] != str(STUDY_FORMAT):
-            raise StudyError(f"{root}: study format {row[0]}, this autotune reads format {STUDY_FORMAT}; "
-                             "a newer autotune wrote it: report on it with that version")
-        Study(root, conn).trials()
-    except sqlite3.Error as exc:
-        conn.close()
-        raise StudyError(f"{db}: not readable as an autotune study ({exc})") from None
-    except StudyError:
-        conn.close()
-        raise
-
-
 # -- a study -----------------------------------------------------------------------
 def gather_study(study: Study) -> StudyReport:
     """Read everything the page shows; never raises for missing trial files."""
-    trials = study.trials()
-    counted = study.counted()
-    baseline = next((t for t in counted if t.number == 0), None)
-    best = study.best()
+    results = read_results(study, meta=lambda key: _meta_value(study, key))
+    trials, baseline, best = list(results.trials), results.baseline, results.best
     measurements: dict[tuple, list[float]] = {}
     from autotune.measurements import superseded
 
@@ -222,9 +169,8 @@ def gather_study(study: Study) -> StudyReport:
 
     report = StudyReport(
         root=study.root, settings=_meta(study, "settings"), space=space,
-        workload=_meta(study, "workload"), trials=trials, counted=counted, baseline=baseline,
-        best=best, measurements=measurements, knobs=_knobs(trials, space), steps={},
-        findings=[], config_diff=[], user_command=_meta(study, META_KEY),
+        workload=_meta(study, "workload"), results=results, measurements=measurements,
+        knobs=_knobs(trials, space), steps={}, findings=[], config_diff=[], user_command=_meta(study, META_KEY),
     )
     _explain_missing(report)
     wanted = [t for t in (baseline, best) if t is not None and t.status == STATUS_OK]
@@ -246,11 +192,16 @@ def gather_study(study: Study) -> StudyReport:
     return report
 
 
-def _meta(study: Study, key: str) -> dict[str, Any]:
+def _meta_value(study: Study, key: str) -> Any:
+    """A stored value; None where it is damaged (the page says what it can, never a traceback)."""
     try:
-        value = study.get_meta_json(key)
+        return study.get_meta_json(key)
     except ValueError:
-        return {}
+        return None
+
+
+def _meta(study: Study, key: str) -> dict[str, Any]:
+    value = _meta_value(study, key)
     return value if isinstance(value, dict) else {}
 
 

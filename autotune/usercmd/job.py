@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import shlex
 import shutil
-import sqlite3
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -250,12 +249,7 @@ def resumed_user_job(study: Any) -> UserJob | None:
 
 def stored_job(root: Path) -> UserJob | None:
     """A study's command, read-only (the study may be locked by nobody or by a live run)."""
-    try:
-        conn = sqlite3.connect(f"{(root / 'study.db').resolve().as_uri()}?mode=ro", uri=True, timeout=30)
-        try:
-            row = conn.execute("SELECT value FROM meta WHERE key = ?", (META_KEY,)).fetchone()
-        finally:
-            conn.close()
-    except sqlite3.Error:
-        return None
-    return UserJob(**json.loads(row[0])) if row else None
+    from autotune.study import stored_meta
+
+    raw = stored_meta(root, META_KEY)
+    return UserJob(**json.loads(raw)) if raw is not None else None
