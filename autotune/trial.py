@@ -19,7 +19,7 @@ from autotune.space import TrialConfig
 from autotune.step_budget import RECORD_NAME as STEP_RECORD
 from autotune.watchdog import StallLimits
 from autotune.workers import WarmWorkers, fresh_reason
-from autotune.workload.trial_spec import SPEC_NAME, TrialSpec
+from autotune.workload.trial_spec import SPEC_NAME, TrialSpec, describe_workload
 
 
 class TrialRunner:
@@ -73,12 +73,10 @@ class TrialRunner:
         """What trial `number`'s ranks are told (written as trial-NNN/trial.json); `incumbent`:
         (samples/s, noise) a trial must plausibly beat not to be stopped early."""
         fault = self.workload.fault_for(number)
-        return TrialSpec(workload=self.workload, trial=number, ds_config=str(trial_dir / "ds_config.json"),
-                         metrics_csv=str(trial_dir / "metrics-rank{rank}.csv"),
-                         fault=fault if fault in RANK_FAULTS else None,  # a runner fault stays here
-                         incumbent_samples_per_second=incumbent[0] if incumbent else None,
-                         noise=incumbent[1] if incumbent else 0.10,
-                         limits=stall.to_dict() if stall is not None else None)
+        return describe_workload(self.workload, trial=number, trial_dir=str(trial_dir),
+                                 ds_config=str(trial_dir / "ds_config.json"),
+                                 fault=fault if fault in RANK_FAULTS else None,  # a runner fault stays here
+                                 incumbent=incumbent, limits=stall.to_dict() if stall is not None else None)
 
     def run(self, number: int, config: TrialConfig, trial_dir: Path, *, timeout: float,
             on_start: Callable[[TrialProcess], None] | None = None,

@@ -28,6 +28,7 @@ from autotune.dsconfig import DEEPSPEED_DEFAULT_BUCKET, DsConfig
 from autotune.judge import TrialOutcome, failed, judge
 from autotune.launcher import LaunchOutcome, LaunchSpec, TrialProcess, free_port
 from autotune.multinode import Cluster, node_env, resolve_cluster, stop_on_nodes
+from autotune.rank_plan import DEFAULT_NOISE, RankPlan
 from autotune.space import TrialConfig
 from autotune.trial import prepare_trial_dir
 from autotune.usercmd.command import UserCommand
@@ -172,7 +173,7 @@ def probe_shape(command: UserCommand, *, ds_config: Path, cwd: Path, timeout: fl
 
     run_dir = Path(tempfile.mkdtemp(prefix="autotune-probe-"))
     stall = StallLimits(startup_seconds=startup_timeout or STARTUP_BEFORE_MEASURED)
-    settings = BootstrapSettings(mode=MODE_PROBE, trial_dir=str(run_dir), limits=stall.to_dict())
+    settings = BootstrapSettings(mode=MODE_PROBE, plan=RankPlan(trial_dir=str(run_dir), limits=stall.to_dict()))
     outcome = launch(command, ds_config=ds_config, cwd=cwd, run_dir=run_dir, settings=settings,
                      timeout=timeout)
     engines = read_markers(run_dir, "engine")
@@ -236,15 +237,14 @@ class UserCommandRunner:
             incumbent: tuple[float, float] | None = None, stall: StallLimits | None = None) -> TrialOutcome:
         trial_dir, ds_path = prepare_trial_dir(
             trial_dir, self.ds_config_for(config), stale=("engine-rank*.json", "done-rank*.json", "exit-rank*.json"))
-        settings = BootstrapSettings(mode=MODE_TRIAL, trial_dir=str(trial_dir), trial=number,
-                                     warmup_steps=self.warmup_steps, steps=self.steps,
-                                     metrics_port=self.metrics_port, metrics_addr=self.metrics_addr,
-                                     job=self.job, layer_costs=self.layer_costs, parts=self.parts,
-                                     adaptive_steps=self.step_length[0], step_precision=self.step_length[1],
-                                     max_steps=self.step_length[2],
-                                     incumbent_samples_per_second=incumbent[0] if incumbent else None,
-                                     noise=incumbent[1] if incumbent else 0.10,
-                                     limits=stall.to_dict() if stall is not None else None)
+        plan = RankPlan(trial_dir=str(trial_dir), trial=number, warmup_steps=self.warmup_steps, steps=self.steps,
+                        metrics_port=self.metrics_port, metrics_addr=self.metrics_addr, job=self.job,
+                        layer_costs=self.layer_costs, parts=self.parts, adaptive_steps=self.step_length[0],
+                        step_precision=self.step_length[1], max_steps=self.step_length[2],
+                        incumbent_samples_per_second=incumbent[0] if incumbent else None,
+                        noise=incumbent[1] if incumbent else DEFAULT_NOISE,
+                        limits=stall.to_dict() if stall is not None else None)
+        settings = BootstrapSettings(mode=MODE_TRIAL, plan=plan)
         command = self.command
         if self.knobs:  # the script's own flags for the mapped model settings (usercmd/knobs.py)
             from autotune.usercmd.knobs import TRIAL_FILE, apply_knobs
