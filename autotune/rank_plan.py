@@ -29,16 +29,16 @@ DEFAULT_NOISE = 0.10
 
 
 class JsonForm:
-    """The one JSON form of a rank's description (the plan, or a description holding one):
-    as text (an environment variable) and as a file. The class gives `to_dict`/`from_dict`."""
+    """The one JSON form of a rank's description (the plan, or a description holding one): as
+    text (an environment variable) and as a file, from the `to_dict`/`from_dict` each defines."""
 
     __slots__ = ()
 
-    def to_dict(self) -> dict[str, Any]:  # pragma: no cover - every user defines it
+    def to_dict(self) -> dict[str, Any]:
         raise NotImplementedError
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Any:  # pragma: no cover - every user defines it
+    def from_dict(cls, d: dict[str, Any]) -> Any:
         raise NotImplementedError
 
     def to_json(self) -> str:
