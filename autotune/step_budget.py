@@ -239,8 +239,8 @@ class StepBudget:
 def rank_budget(*, steps: int, warmup_steps: int, adaptive: bool, precision: float, cap: int,
                 global_batch: int, incumbent_samples_per_second: float | None = None, noise: float = NOISE_MARGIN,
                 reduce_max: ReduceMax | None = None) -> StepBudget:
-    """A rank's budget from its trial's settings (autotune/workload/trial_spec.py, or the user
-    job's bootstrap settings); the reduce is the default process group's unless given."""
+    """A rank's budget from its trial's rank plan (autotune/rank_plan.py, wired by
+    autotune/rank_wiring.py); the reduce is the default process group's unless given."""
     hopeless = (hopeless_step_seconds(incumbent_samples_per_second, noise, global_batch)
                 if adaptive and incumbent_samples_per_second else None)
     rule = StepRule(min_steps=steps, max_steps=max(cap, steps), adaptive=adaptive, precision=precision,

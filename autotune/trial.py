@@ -15,13 +15,12 @@ from autotune.faults import CONTROLLER_FAULTS, RANK_FAULTS
 from autotune.judge import TrialOutcome, failed, judge
 from autotune.launcher import LaunchSpec, TrialProcess, run_launch
 from autotune.multinode import Cluster, cluster_args, node_env, stop_on_nodes
-from autotune.noise import NOISE_MARGIN
 from autotune.options import WorkloadOptions
 from autotune.space import TrialConfig
 from autotune.step_budget import RECORD_NAME as STEP_RECORD
 from autotune.trial_contract import TrialRequest
 from autotune.workers import WarmWorkers, fresh_reason
-from autotune.workload.trial_spec import SPEC_NAME, TrialSpec
+from autotune.workload.trial_spec import SPEC_NAME, TrialSpec, describe_workload
 
 
 class BuiltinRunner:
@@ -68,12 +67,11 @@ class BuiltinRunner:
         workload = self.workload_for(request)
         fault = workload.fault_for(request.number)
         incumbent = request.incumbent
-        return TrialSpec(workload=workload, trial=request.number, ds_config=str(trial_dir / "ds_config.json"),
-                         metrics_csv=str(trial_dir / "metrics-rank{rank}.csv"),
-                         fault=fault if fault in RANK_FAULTS else None,  # a runner fault stays here
-                         incumbent_samples_per_second=incumbent.samples_per_second if incumbent else None,
-                         noise=incumbent.noise if incumbent else NOISE_MARGIN,
-                         limits=request.stall.to_dict() if request.stall is not None else None)
+        return describe_workload(workload, trial=request.number, trial_dir=str(trial_dir),
+                                 ds_config=str(trial_dir / "ds_config.json"),
+                                 fault=fault if fault in RANK_FAULTS else None,  # a runner fault stays here
+                                 incumbent=(incumbent.samples_per_second, incumbent.noise) if incumbent else None,
+                                 limits=request.stall.to_dict() if request.stall is not None else None)
 
     def _prepare(self, request: TrialRequest) -> tuple[Path, dict[str, Any]]:
         """The trial folder with its ds_config.json and trial.json; the ds_config."""

@@ -12,7 +12,7 @@ from autotune.launcher import LaunchSpec, run_trial_process
 from autotune.metrics_csv import read_metrics_csv
 from autotune.options import WorkloadOptions
 from autotune.summary import TrialSummary, summarize_trial
-from autotune.workload.trial_spec import SPEC_NAME, TrialSpec
+from autotune.workload.trial_spec import SPEC_NAME, describe_workload
 
 
 def autotune_cli(*args: str, cwd: Path, timeout: float = 900, env: dict | None = None):
@@ -32,11 +32,11 @@ def run_ranks(tmp: Path, ds_config: dict, *, ranks: int = 2, steps: int = 4, war
     cfg.write_text(json.dumps(ds_config))
     wl = WorkloadOptions(preset=preset, pipeline_stages=stages, data_parallel_size=ranks // stages,
                          steps=steps, warmup_steps=warmup, **workload)
-    trial = TrialSpec(workload=wl, trial=-1, ds_config=str(cfg), metrics_csv=str(tmp / "m{rank}.csv"))
+    trial = describe_workload(wl, trial=-1, trial_dir=str(tmp), ds_config=str(cfg))
     spec = LaunchSpec(num_ranks=ranks, log_path=tmp / "launcher.log", timeout=600,
                       script_args=["--trial-spec", str(trial.write(tmp / SPEC_NAME))])
     out = run_trial_process(spec)
-    records = [r for p in sorted(tmp.glob("m*.csv")) for r in read_metrics_csv(p)]
+    records = [r for p in sorted(tmp.glob("metrics-rank*.csv")) for r in read_metrics_csv(p)]
     return records, (summarize_trial(records) if records else None), out.returncode
 
 

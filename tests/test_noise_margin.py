@@ -10,6 +10,7 @@ from pathlib import Path
 from autotune.balance import StageBalancer
 from autotune.noise import NOISE_MARGIN
 from autotune.proposers.hybrid import HybridProposer
+from autotune.rank_plan import RankPlan
 from autotune.step_budget import rank_budget
 from autotune.usercmd.hook import BootstrapSettings
 from autotune.workload.trial_spec import TrialSpec
@@ -24,8 +25,9 @@ def test_every_default_of_the_margin_is_the_one_constant():
     assert inspect.signature(HybridProposer).parameters["noise"].default == NOISE_MARGIN
     assert inspect.signature(StageBalancer).parameters["noise"].default == NOISE_MARGIN
     assert inspect.signature(rank_budget).parameters["noise"].default == NOISE_MARGIN
-    for cls in (TrialSpec, BootstrapSettings):
-        assert {f.name: f.default for f in dataclasses.fields(cls)}["noise"] == NOISE_MARGIN, cls
+    assert {f.name: f.default for f in dataclasses.fields(RankPlan)}["noise"] == NOISE_MARGIN
+    for cls in (TrialSpec, BootstrapSettings):  # both descriptions carry the one plan (rank_plan.py)
+        assert {f.name: f.type for f in dataclasses.fields(cls)}["plan"] in (RankPlan, "RankPlan"), cls
 
 
 def _numbers(node: ast.AST | None) -> list[float]:

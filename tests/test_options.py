@@ -13,7 +13,7 @@ from autotune.cli import cli
 from autotune.errors import UserError
 from autotune.options import RunOptions, WorkloadOptions, check_fields, from_cli
 from autotune.workload.train import parse_args
-from autotune.workload.trial_spec import TrialSpec
+from autotune.workload.trial_spec import describe_workload
 
 
 def _cli_fields(cls):
@@ -61,7 +61,7 @@ def test_ranges_come_from_the_tree(field, value, needle):
 
 def test_a_rank_reads_the_same_workload_the_controller_wrote(tmp_path):
     wl = WorkloadOptions(preset="small", pipeline_stages=3, steps=11, slow_stage=1, slow_factor=2)
-    spec = TrialSpec(workload=wl, trial=4, ds_config="/x/ds.json", metrics_csv="/x/m{rank}.csv", fault="nan")
+    spec = describe_workload(wl, trial=4, trial_dir="/x", ds_config="/x/ds.json", fault="nan")
     path = spec.write(tmp_path / "trial.json")
     assert parse_args(["--trial-spec", str(path)]) == spec
 

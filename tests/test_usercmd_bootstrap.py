@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+import autotune
+from autotune.rank_plan import RankPlan
 from autotune.usercmd.hook import ENV, BootstrapSettings
 from autotune.usercmd.runner import BOOTSTRAP_DIR, rank_env
 
@@ -19,8 +21,13 @@ PROBE = ("import sys, json; import deepspeed; "
          "'chained': 'chained' in sys.modules.get('builtins').__dict__.get('_marks', [])}))")
 
 
+SOURCE_ROOT = str(Path(autotune.__file__).resolve().parent.parent)
+"""Last on the child's path: the autotune under test, not another checkout's editable install."""
+
+
 def _python(code: str, env: dict[str, str], tmp: Path) -> dict:
     base = {k: v for k, v in os.environ.items() if k not in (ENV, "RANK", "PYTHONPATH")}
+    env = {**env, "PYTHONPATH": os.pathsep.join([*filter(None, [env.get("PYTHONPATH")]), SOURCE_ROOT])}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                          cwd=tmp, env={**base, "DS_ACCELERATOR": "cpu", **env})
     assert out.returncode == 0, out.stderr[-2000:]
@@ -38,13 +45,13 @@ def other_site(tmp_path: Path) -> Path:
 
 def test_bootstrap_ships_a_sitecustomize():
     assert (BOOTSTRAP_DIR / "sitecustomize.py").is_file()
-    env = rank_env(BootstrapSettings(trial_dir="/x", trial=3))
+    env = rank_env(BootstrapSettings(plan=RankPlan(trial_dir="/x", trial=3)))
     assert env["PYTHONPATH"].split(os.pathsep)[0] == str(BOOTSTRAP_DIR)
-    assert BootstrapSettings.from_env(env[ENV]).trial == 3
+    assert BootstrapSettings.from_env(env[ENV]).plan.trial == 3
 
 
 def test_rank_of_a_trial_gets_deepspeed_initialize_wrapped_and_the_old_sitecustomize_runs(tmp_path, other_site):
-    settings = BootstrapSettings(trial_dir=str(tmp_path)).to_env()
+    settings = BootstrapSettings(plan=RankPlan(trial_dir=str(tmp_path))).to_env()
     got = _python(PROBE, {"PYTHONPATH": f"{BOOTSTRAP_DIR}{os.pathsep}{other_site}", ENV: settings,
                           "RANK": "0"}, tmp_path)
     assert got == {"wrapped": True, "chained": True}
@@ -52,7 +59,7 @@ def test_rank_of_a_trial_gets_deepspeed_initialize_wrapped_and_the_old_sitecusto
 
 def test_launcher_processes_and_other_pythons_are_left_alone(tmp_path, other_site):
     path = f"{BOOTSTRAP_DIR}{os.pathsep}{other_site}"
-    settings = BootstrapSettings(trial_dir=str(tmp_path)).to_env()
+    settings = BootstrapSettings(plan=RankPlan(trial_dir=str(tmp_path))).to_env()
     no_rank = _python(PROBE, {"PYTHONPATH": path, ENV: settings}, tmp_path)
     assert no_rank == {"wrapped": False, "chained": True}
     no_trial = _python(PROBE, {"PYTHONPATH": path, "RANK": "0"}, tmp_path)

@@ -18,7 +18,6 @@ This module must import quickly and without torch: every rank imports it.
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import functools
 import importlib.abc
 import importlib.util
@@ -29,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from autotune.noise import NOISE_MARGIN
+from autotune.rank_plan import JsonForm, RankPlan, plan_fields
 
 ENV = "AUTOTUNE_USERCMD"
 """The controller's settings for the ranks, as JSON (BootstrapSettings)."""
@@ -41,46 +40,35 @@ MODE_TRIAL, MODE_PROBE, MODE_WATCH = "trial", "probe", "watch"
 
 
 @dataclass(kw_only=True, slots=True)
-class BootstrapSettings:
-    """What the controller tells every rank (one JSON environment variable)."""
+class BootstrapSettings(JsonForm):
+    """What the controller tells every rank (one JSON environment variable, or a file): the
+    rank plan (autotune/rank_plan.py) and what the bootstrap does with the script."""
 
+    plan: RankPlan
     mode: str = MODE_TRIAL
     """`trial`: instrument and stop after warm-up + measured steps; `probe`: stop right
     after deepspeed.initialize (the start-up check that reads the pipeline's shape);
     `watch`: instrument and never stop (`autotune watch`: the job runs as long as it runs)."""
-    trial_dir: str
-    trial: int = -1
-    warmup_steps: int = 2
-    steps: int = 6
-    metrics_port: int | None = None
-    metrics_addr: str = "127.0.0.1"
-    job: str = "autotune"
-    layer_costs: bool = False
-    """Time every layer of the PipelineModule (layer-costs-rankR.csv, autotune/layer_costs.py)."""
-    parts: list[int] | None = None
-    """Build every PipelineModule with these stage boundaries (autotune/pipeline_parts.py)."""
-    adaptive_steps: bool = False
-    """Measure between `steps` and `max_steps` until the median is known (autotune/step_budget.py)."""
-    step_precision: float = 0.03
-    max_steps: int = 0
-    """The cap of measured steps with adaptive steps (0: `steps`)."""
-    incumbent_samples_per_second: float | None = None
-    """Stop the trial early when it cannot plausibly beat this (adaptive steps only)."""
-    noise: float = NOISE_MARGIN
-    limits: dict | None = None
-    """How long start-up and a step may take before the rank counts as stalled
-    (autotune/watchdog.py StallLimits as a dict); None: no watchdog (`watch` never has one)."""
 
     @property
     def total_steps(self) -> int:
-        return self.warmup_steps + self.steps
+        return self.plan.total_steps
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"plan": self.plan.to_dict(), "mode": self.mode}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> BootstrapSettings:
+        plan, rest = plan_fields(d)
+        return cls(plan=plan, **rest)
 
     def to_env(self) -> str:
-        return json.dumps(dataclasses.asdict(self))
+        """The text of the environment variable (or of the file the nodes read)."""
+        return self.to_json()
 
     @classmethod
     def from_env(cls, text: str) -> BootstrapSettings:
-        return cls(**json.loads(text))
+        return cls.from_json(text)
 
 
 def marker_path(trial_dir: str | Path, kind: str, rank: int) -> Path:
@@ -90,10 +78,11 @@ def marker_path(trial_dir: str | Path, kind: str, rank: int) -> Path:
 def install(settings: BootstrapSettings) -> None:
     """Patch deepspeed.initialize when the script imports deepspeed (or now, if it already has)."""
     state = _RankState(settings)
-    if settings.limits is not None and settings.mode != MODE_WATCH:
-        from autotune.watchdog import StallLimits, Watchdog
+    if settings.mode != MODE_WATCH:
+        from autotune.rank_wiring import rank_watchdog
 
-        state.watchdog = Watchdog(settings.trial_dir, state.rank, StallLimits.from_dict(settings.limits))
+        state.watchdog = rank_watchdog(settings.plan, state.rank)
+    if state.watchdog is not None:
         state.watchdog.startup()  # from the interpreter's start: the script's imports, the op load, ...
     if "deepspeed" in sys.modules:
         _patch(sys.modules["deepspeed"], state)
@@ -131,12 +120,9 @@ class _DeepSpeedFinder(importlib.abc.MetaPathFinder):
 
 
 def _patch(deepspeed: Any, state: _RankState) -> None:
-    from autotune.pipeline_parts import force, install
+    from autotune.rank_wiring import force_parts
 
-    if state.settings.parts is not None:  # before the script builds its PipelineModule
-        force(state.settings.parts)
-    else:
-        install()  # DeepSpeed's own methods unchanged; the method the script passed is recorded
+    force_parts(state.settings.plan)  # before the script builds its PipelineModule
     original = getattr(deepspeed, "initialize", None)
     if original is None or getattr(original, "_autotune_wrapped", False):
         return
@@ -159,16 +145,16 @@ class _RankState:
         self.settings = settings
         self.rank = int(os.environ.get("RANK", "0"))
         self.engine: Any = None
-        self.probe: Any = None
         self.calls = 0
         self.stopping = False
-        self.budget: Any = None
-        """When the trial's steps end (autotune/step_budget.py); None until the engine is instrumented."""
+        self.wiring: Any = None
+        """The probe, records and step budget (autotune/rank_wiring.py); None until the engine is
+        instrumented (its budget None in watch mode)."""
         self.watchdog: Any = None
         """This rank's stall watchdog (autotune/watchdog.py); None in watch mode."""
 
     def write_marker(self, kind: str, payload: dict[str, Any]) -> None:
-        path = marker_path(self.settings.trial_dir, kind, self.rank)
+        path = marker_path(self.settings.plan.trial_dir, kind, self.rank)
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps({"rank": self.rank, **payload}) + "\n", encoding="utf-8")
         tmp.replace(path)  # the controller never reads half a marker
@@ -203,40 +189,23 @@ class _RankState:
         })
         if self.settings.mode == MODE_PROBE:
             self.stop()
-        from autotune.instrument import instrument
+        from autotune.rank_wiring import wire
 
-        s = self.settings
-        self.probe = instrument(engine, csv_path=str(Path(s.trial_dir) / "metrics-rank{rank}.csv"),
-                                metrics_port=s.metrics_port, metrics_addr=s.metrics_addr, trial=s.trial,
-                                job=s.job, warmup_steps=s.warmup_steps)
-        if s.layer_costs:
-            from autotune.layer_costs import attach
-
-            attach(self.probe, s.trial_dir)
-        if s.mode == MODE_WATCH:
-            return  # no step limit: the script's own loop decides when it ends
-        from autotune.step_budget import follow_probe, rank_budget
-
-        batch = (int(engine.train_micro_batch_size_per_gpu()) * int(engine.gradient_accumulation_steps())
-                 * int(engine.grid.data_parallel_size))
-        self.budget = rank_budget(steps=s.steps, warmup_steps=s.warmup_steps, adaptive=s.adaptive_steps,
-                                  precision=s.step_precision, cap=max(s.max_steps, s.steps), global_batch=batch,
-                                  incumbent_samples_per_second=s.incumbent_samples_per_second, noise=s.noise)
-        follow_probe(self.probe, self.budget)
-        measured = engine.train_batch  # the probe's timed train_batch
+        watching = self.settings.mode == MODE_WATCH  # no step limit: the script's own loop decides
+        self.wiring = wire(engine, self.settings.plan, budget=not watching)
+        if watching:
+            return
+        measured, budget = engine.train_batch, self.wiring.budget  # the probe's timed train_batch
 
         def train_batch(*args: Any, **kwargs: Any) -> Any:
             loss = measured(*args, **kwargs)
             self.calls += 1
-            if not self.budget.go_on():  # the same decision on every rank, at the same call
+            if not budget.go_on():  # the same decision on every rank, at the same call
                 self.stop()
             return loss
 
         engine.train_batch = train_batch
-        if self.watchdog is not None:
-            from autotune.watchdog import watch_steps
-
-            watch_steps(engine, self.watchdog)  # outermost: the whole step, the step budget's decision too
+        self.wiring.watch_steps(engine, self.watchdog)  # outermost: the whole step, the budget's decision too
 
     def stop(self) -> None:
         """End the rank after the trial's last step: metrics flushed, peers at the same point.
@@ -250,10 +219,8 @@ class _RankState:
         """
         self.stopping = True
         self.close_sinks()
-        if self.budget is not None and self.rank == 0:
-            from autotune.step_budget import write_record
-
-            write_record(self.budget, self.settings.trial_dir)
+        if self.wiring is not None:
+            self.wiring.write_step_record(self.rank)
         self.write_marker("done", {"train_batch_calls": self.calls})
         _flush_std()
         try:
@@ -267,8 +234,8 @@ class _RankState:
             os._exit(0)
 
     def close_sinks(self) -> None:
-        if self.probe is not None:
-            self.probe.close_sinks()
+        if self.wiring is not None:
+            self.wiring.close()
 
     def on_normal_exit(self) -> None:
         """The script ended by itself (its own --steps ran out) before the trial's steps."""

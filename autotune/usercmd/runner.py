@@ -29,6 +29,7 @@ from autotune.judge import TrialOutcome, failed, judge
 from autotune.launcher import LaunchOutcome, LaunchSpec, TrialProcess, free_port, run_launch
 from autotune.multinode import Cluster, node_env, resolve_cluster, stop_on_nodes
 from autotune.noise import NOISE_MARGIN
+from autotune.rank_plan import RankPlan
 from autotune.space import TrialConfig
 from autotune.trial import prepare_trial_dir
 from autotune.trial_contract import TrialRequest
@@ -167,7 +168,7 @@ def probe_shape(command: UserCommand, *, ds_config: Path, cwd: Path, timeout: fl
 
     run_dir = Path(tempfile.mkdtemp(prefix="autotune-probe-"))
     stall = StallLimits(startup_seconds=startup_timeout or STARTUP_BEFORE_MEASURED)
-    settings = BootstrapSettings(mode=MODE_PROBE, trial_dir=str(run_dir), limits=stall.to_dict())
+    settings = BootstrapSettings(mode=MODE_PROBE, plan=RankPlan(trial_dir=str(run_dir), limits=stall.to_dict()))
     outcome = launch(command, ds_config=ds_config, cwd=cwd, run_dir=run_dir, settings=settings,
                      timeout=timeout)
     engines = read_markers(run_dir, "engine")
@@ -238,15 +239,14 @@ class UserCommandRunner:
         incumbent = request.incumbent
         layer_costs = self.layer_costs if request.layer_costs is None else request.layer_costs
         parts = self.parts if request.parts is None else request.parts
-        return BootstrapSettings(mode=MODE_TRIAL, trial_dir=str(trial_dir), trial=request.number,
-                                 warmup_steps=self.warmup_steps, steps=self.steps,
-                                 metrics_port=self.metrics_port, metrics_addr=self.metrics_addr,
-                                 job=self.job, layer_costs=layer_costs, parts=parts,
-                                 adaptive_steps=self.step_length[0], step_precision=self.step_length[1],
-                                 max_steps=self.step_length[2],
-                                 incumbent_samples_per_second=incumbent.samples_per_second if incumbent else None,
-                                 noise=incumbent.noise if incumbent else NOISE_MARGIN,
-                                 limits=request.stall.to_dict() if request.stall is not None else None)
+        plan = RankPlan(trial_dir=str(trial_dir), trial=request.number, warmup_steps=self.warmup_steps,
+                        steps=self.steps, metrics_port=self.metrics_port, metrics_addr=self.metrics_addr,
+                        job=self.job, layer_costs=layer_costs, parts=parts, adaptive_steps=self.step_length[0],
+                        step_precision=self.step_length[1], max_steps=self.step_length[2],
+                        incumbent_samples_per_second=incumbent.samples_per_second if incumbent else None,
+                        noise=incumbent.noise if incumbent else NOISE_MARGIN,
+                        limits=request.stall.to_dict() if request.stall is not None else None)
+        return BootstrapSettings(mode=MODE_TRIAL, plan=plan)
 
     def run(self, request: TrialRequest) -> TrialOutcome:
         trial_dir, ds_path = prepare_trial_dir(

@@ -31,6 +31,7 @@ from autotune.fileio import write_atomic
 from autotune.launcher import LaunchSpec, free_port
 from autotune.multinode import resolve_cluster, stop_on_nodes
 from autotune.options import endpoint_defaults
+from autotune.rank_plan import RankPlan
 from autotune.stop_signals import (
     Stopped,
     default_stop_signals,
@@ -237,10 +238,9 @@ class Watch:
     def run(self) -> int:
         o = self.opts
         live = not o.no_metrics
-        settings = BootstrapSettings(mode=MODE_WATCH, trial_dir=str(self.run_dir), trial=-1,
-                                     warmup_steps=o.warmup_steps,
-                                     metrics_port=o.rank_metrics_port if live else None,
-                                     metrics_addr=o.metrics_addr, job=o.job)
+        settings = BootstrapSettings(mode=MODE_WATCH, plan=RankPlan(
+            trial_dir=str(self.run_dir), trial=-1, warmup_steps=o.warmup_steps,
+            metrics_port=o.rank_metrics_port if live else None, metrics_addr=o.metrics_addr, job=o.job))
         note = self.say
         note(f"watch: {' '.join(self.p.command.argv)}")
         note(f"watch folder: {self.run_dir} (metrics-rankR.csv, launcher.log, findings.json)")

@@ -42,7 +42,9 @@ def main(argv: list[str] | None = None) -> int:
     spec = parse_args(argv)
     if spec.fault == "nometrics":  # testing seam: every rank exits 0 at once, no metrics written
         return 0
-    dog = rank_watchdog(spec)
+    from autotune.rank_wiring import rank_watchdog
+
+    dog = rank_watchdog(spec.plan)
     if dog is not None:
         dog.startup()  # from this process's start: the launcher's fork, the imports, the op load, the rendezvous
     startup_fault(spec)
@@ -51,24 +53,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def startup_fault(spec: TrialSpec) -> None:
-    import os
-
     from autotune.faults import inject_startup_fault
+    from autotune.rank_wiring import process_rank
 
-    inject_startup_fault(spec.fault, fault_rank=spec.fault_rank, rank=int(os.environ.get("RANK", "0")))
-
-
-def rank_watchdog(spec: TrialSpec):
-    """This rank's stall watchdog for the trial (autotune/watchdog.py), writing in its folder;
-    None when the controller set no limits (a runner called directly, outside a study)."""
-    import os
-
-    from autotune.watchdog import StallLimits, Watchdog
-
-    if spec.limits is None:
-        return None
-    return Watchdog(os.path.dirname(spec.metrics_csv), int(os.environ.get("RANK", "0")),
-                    StallLimits.from_dict(spec.limits))
+    inject_startup_fault(spec.fault, fault_rank=spec.fault_rank, rank=process_rank())
 
 
 def setup_process(threads: int) -> None:
@@ -100,8 +88,7 @@ def run_trial(spec: TrialSpec, *, release: bool = False, watchdog=None) -> Trial
     import torch
 
     from autotune.faults import inject_rank_fault
-    from autotune.instrument import instrument
-    from autotune.step_budget import follow_probe
+    from autotune.rank_wiring import wire
     from autotune.workload import groups as process_groups
     from autotune.workload.data import batches, load_token_file, synthetic_tokens
     from autotune.workload.model import build_pipeline_module
@@ -135,76 +122,47 @@ def run_trial(spec: TrialSpec, *, release: bool = False, watchdog=None) -> Trial
         model=module, model_parameters=[p for p in module.parameters() if p.requires_grad],
         config=ds_config,
     )
-    probe, closed = None, False
+    wiring, closed = None, False
     try:
         rank = engine.global_rank
         if wl.slow_stage is not None and engine.stage_id == wl.slow_stage:
-            stretch_compute(engine, wl.slow_factor, wl.slow_every)  # before instrument(): the probe times it
-        probe = instrument(engine, csv_path=spec.metrics_csv, metrics_port=wl.metrics_port,
-                           metrics_addr=wl.metrics_addr, trial=spec.trial, job=wl.job,
-                           warmup_steps=wl.warmup_steps, seq_length=preset.seq_length)
-        if wl.layer_costs:  # a sink of the probe: written beside the metrics CSV when it closes
-            import os
-
-            from autotune.layer_costs import attach
-
-            attach(probe, os.path.dirname(spec.metrics_csv))
+            stretch_compute(engine, wl.slow_factor, wl.slow_every)  # before the probe: the probe times it
+        wiring = wire(engine, spec.plan, seq_length=preset.seq_length)  # probe, records, endpoint, budget
         tokens = (None if user_batches is not None else load_token_file(wl.tokens, preset.vocab_size)
                   if wl.tokens else synthetic_tokens(preset.vocab_size, 200_000, seed=wl.seed))
         dp_rank = engine.grid.get_data_parallel_rank()
         micro = engine.train_micro_batch_size_per_gpu()
         data = (iter(user_batches(micro, wl.seed + dp_rank)) if user_batches is not None
                 else batches(tokens, micro_batch=micro, seq=preset.seq_length, seed=wl.seed + dp_rank))
-        budget = _step_budget(spec, engine)
-        follow_probe(probe, budget)  # the CSV's step times
-        if watchdog is not None:
-            from autotune.watchdog import watch_steps
-
-            watch_steps(engine, watchdog)
-        code = _train(spec, engine, data, rank, losses, inject_rank_fault, budget)
+        wiring.watch_steps(engine, watchdog)
+        code = _train(spec, engine, data, rank, losses, inject_rank_fault, wiring.budget)
         if code == 0:
+            wiring.write_step_record(rank)
             if watchdog is not None:
                 watchdog.stop()
-            probe.close_sinks()
+            wiring.close()
             closed = True
         return TrialRun(exit_code=code, losses=losses)
     finally:
         if release:
-            if probe is not None:
+            if wiring is not None:
                 if not closed:  # a failed trial's endpoint goes too
-                    probe.close_sinks()
-                probe.uninstall()
+                    wiring.close()
+                wiring.probe.uninstall()
             engine.destroy()
             drop_autograd_graphs(engine)
-            del engine, module, probe
+            del engine, module, wiring
             gc.collect()  # DeepSpeed's cycles that still hold the trial's groups
             process_groups.destroy(process_groups.existing() - groups_before)  # their gloo threads end
             release_memory()
 
 
-def _step_budget(spec: TrialSpec, engine):
-    """When this trial's steps end (autotune/step_budget.py): the same decision on every rank."""
-    from autotune.step_budget import rank_budget
-
-    wl = spec.workload
-    batch = (int(engine.train_micro_batch_size_per_gpu()) * int(engine.gradient_accumulation_steps())
-             * int(engine.grid.data_parallel_size))
-    return rank_budget(steps=wl.steps, warmup_steps=wl.warmup_steps, adaptive=wl.adaptive_steps,
-                       precision=wl.step_precision, cap=wl.step_cap, global_batch=batch,
-                       incumbent_samples_per_second=spec.incumbent_samples_per_second, noise=spec.noise)
-
-
 def _train(spec: TrialSpec, engine, data, rank: int, losses: list[float], inject_rank_fault, budget) -> int:
     """The trial's steps, as many as `budget` decides (collectively); 0, or the exit code of the
     way it failed."""
-    import os
-
     import torch
 
-    from autotune.step_budget import write_record
-
-    wl = spec.workload
-    total = wl.warmup_steps + wl.step_cap
+    total = spec.plan.warmup_steps + spec.plan.step_cap
     collapsed_steps, skipped = 0, getattr(engine, "skipped_steps", 0)
     for step in range(total):
         inject_rank_fault(spec.fault, fault_rank=spec.fault_rank, engine=engine, rank=rank, step=step,
@@ -239,8 +197,6 @@ def _train(spec: TrialSpec, engine, data, rank: int, losses: list[float], inject
             return EXIT_NONFINITE_LOSS
         if not budget.go_on():
             break
-    if rank == 0:
-        write_record(budget, os.path.dirname(spec.metrics_csv))
     return 0
 
 

@@ -114,8 +114,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     pool = Path(args.pool)
     rank = int(os.environ.get("RANK", "0"))
+    from autotune.rank_wiring import rank_watchdog
     from autotune.workload.groups import existing as process_groups
-    from autotune.workload.train import rank_watchdog, run_trial, setup_process, startup_fault
+    from autotune.workload.train import run_trial, setup_process, startup_fault
     from autotune.workload.trial_spec import TrialSpec
 
     k, ready = 0, False
@@ -125,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
             if spec_path is None:
                 exit_now(rank, pool)
             spec = TrialSpec.read(spec_path)
-            dog = rank_watchdog(spec)
+            dog = rank_watchdog(spec.plan)
             if dog is not None:  # later jobs: from taking the job (the engine build)
                 dog.startup(from_process_start=not ready)
             startup_fault(spec)
@@ -134,14 +135,14 @@ def main(argv: list[str] | None = None) -> int:
                 ready = True
             started = time.monotonic()
             rss_before, dev_before = rss_bytes(), device_bytes()
-            print(f"autotune: warm worker rank {rank}: trial {spec.trial} (job {k} of this pool)",
+            print(f"autotune: warm worker rank {rank}: trial {spec.plan.trial} (job {k} of this pool)",
                   file=sys.stderr, flush=True)
             run = run_trial(spec, release=True, watchdog=dog)
             if run.exit_code != 0:
                 return run.exit_code  # as a fresh rank would: the launcher stops the others
             gc.freeze()  # what outlived the trial (imports, the process group) is left out of later collections
             write_atomic(pool / f"done-{k}-rank{rank}.json", {
-                "trial": spec.trial, "rank": rank, "seconds": time.monotonic() - started,
+                "trial": spec.plan.trial, "rank": rank, "seconds": time.monotonic() - started,
                 "rss_before_bytes": rss_before, "rss_after_bytes": rss_bytes(),
                 "device_before_bytes": dev_before, "device_after_bytes": device_bytes(),
                 "open_fds": len(os.listdir("/proc/self/fd")), "threads": len(os.listdir("/proc/self/task")),
