@@ -15,7 +15,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from autotune.schema import CSV_COLUMNS, StepRecord, record_to_row
+from autotune.core.schema import CSV_COLUMNS, StepRecord, record_to_row
 
 
 def step_record(i: int, per_trial: int, ranks: int, rng: random.Random) -> StepRecord:
@@ -40,7 +40,7 @@ def step_record(i: int, per_trial: int, ranks: int, rng: random.Random) -> StepR
 
 
 def write_csv(path: Path, rows: int, ranks: int = 4, trials: int = 20) -> None:
-    """A realistic CPU-run file: header and cells as the product writes them (autotune.schema)."""
+    """A realistic CPU-run file: header and cells as the product writes them (autotune.core.schema)."""
     rng = random.Random(0)
     per_trial = max(ranks, rows // trials)
     with open(path, "w", newline="", encoding="utf-8") as fh:
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> None:
     import pandas as pd
     from click.testing import CliRunner
 
-    from autotune.cli_advise import advise_command
+    from autotune.cli.advise import advise_command
 
     group = click.Group(commands={"advise": advise_command})
     with tempfile.TemporaryDirectory() as tmp:

@@ -1,6 +1,6 @@
 """How long a rank holds torch's extension lock, and how long it holds it with no build process.
 
-The pre-flight (autotune/ext_locks.py) calls a lock stale when no process works in the op's
+The pre-flight (autotune/trials/ext_locks.py) calls a lock stale when no process works in the op's
 build folder and the lock is older than YOUNG_SECONDS. This measures the moments that rule
 must not misjudge: a fresh process loads DeepSpeed's CPU ops (as every rank does at
 start-up) while this one samples, every millisecond, whether each op's lock exists and
@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from autotune.ext_locks import (  # noqa: E402
+from autotune.trials.ext_locks import (  # noqa: E402
     CPU_OPS,
     YOUNG_SECONDS,
     build_ops,
@@ -38,7 +38,7 @@ from autotune.ext_locks import (  # noqa: E402
     holders,
     unbuilt_ops,
 )
-from autotune.launcher import with_own_tools  # noqa: E402
+from autotune.trials.launcher import with_own_tools  # noqa: E402
 
 LOAD = ("from deepspeed.accelerator import get_accelerator\nacc = get_accelerator()\n"
         "for name in ('ShareMemCommBuilder', 'FusedAdamBuilder'):\n    acc.create_op_builder(name).load(verbose=False)\n")

@@ -27,10 +27,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from autotune.advisor.rulebook import BUILTIN_RULES, load_rule_file  # noqa: E402
-from autotune.dsconfig import load_ds_config  # noqa: E402
-from autotune.errors import AutotuneError  # noqa: E402
+from autotune.core.dsconfig import load_ds_config  # noqa: E402
+from autotune.core.errors import AutotuneError  # noqa: E402
+from autotune.core.schema import CSV_COLUMNS, StepRecord, record_to_row  # noqa: E402
 from autotune.loaders import load_input  # noqa: E402
-from autotune.schema import CSV_COLUMNS, StepRecord, record_to_row  # noqa: E402
 
 WEIRD = ["", "-1", "0", "1e309", "-1e309", "nan", "inf", "-inf", "NaN", "1e-400", "9" * 40, "true",
          "null", "auto", "\x00", "é", "\ufeff", "\"", "'", ",", "\n", "[]", "{}", "0x10", "1_000", " 1 ",

@@ -59,7 +59,7 @@ def matmuls(torch, x, n: int) -> None:
 
 
 def check_event_timing(torch) -> None:
-    from autotune.timing import CudaEventTimer, HostTimer
+    from autotune.rank.timing import CudaEventTimer, HostTimer
 
     x = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     matmuls(torch, x, 5)
@@ -87,7 +87,7 @@ def check_event_timing(torch) -> None:
 
 def check_probe_cost(torch) -> None:
     """Host cost of what the probe adds: per timed instruction, per step (device probe)."""
-    from autotune.timing import CudaEventTimer
+    from autotune.rank.timing import CudaEventTimer
     from exporters.devices import make_device_probe
 
     n = 2000
@@ -197,7 +197,7 @@ def ds_config(path: Path, micro: int, gas: int) -> Path:
 
 def one_gpu(script: Path, *args: str) -> list[str]:
     """DeepSpeed's launcher command for one rank on this GPU (the trial engine's own builder)."""
-    from autotune.launcher import LaunchSpec, build_command, free_port
+    from autotune.trials.launcher import LaunchSpec, build_command, free_port
 
     spec = LaunchSpec(num_ranks=1, script=script, script_args=list(args), log_path=Path(os.devnull), timeout=0)
     return build_command(spec, free_port())
@@ -214,19 +214,19 @@ def run(cmd: list[str], log: Path, timeout: float) -> int:
 
 
 def check_pipeline(out: Path, preset: str) -> None:
-    from autotune.metrics_csv import read_metrics_csv
-    from autotune.summary import summarize_trial
+    from autotune.core.summary import summarize_trial
+    from autotune.loaders.metrics import read_records as read_metrics_csv
 
     d = out / "pipeline"
     d.mkdir(exist_ok=True)
-    from autotune.options import WorkloadOptions
-    from autotune.workload.trial_spec import SPEC_NAME, TrialSpec
+    from autotune.core.options import WorkloadOptions
+    from autotune.rank.workload.trial_spec import SPEC_NAME, TrialSpec
 
     wl = WorkloadOptions(preset=preset, pipeline_stages=1, data_parallel_size=1, steps=4 if QUICK else 8,
                          warmup_steps=1 if QUICK else 2)
     trial = TrialSpec(workload=wl, trial=-1, ds_config=str(ds_config(d / "ds_config.json", 8, 8)),
                       metrics_csv=str(d / "metrics-rank{rank}.csv"))
-    rc = run(one_gpu(ROOT / "autotune/workload/train.py", "--trial-spec", str(trial.write(d / SPEC_NAME))),
+    rc = run(one_gpu(ROOT / "autotune/rank/workload/train.py", "--trial-spec", str(trial.write(d / SPEC_NAME))),
              d / "launcher.log", 240)
     records = read_metrics_csv(d / "metrics-rank0.csv") if (d / "metrics-rank0.csv").exists() else []
     s = summarize_trial(records) if records else None
@@ -252,7 +252,7 @@ def check_pipeline(out: Path, preset: str) -> None:
 def check_advise(out: Path) -> None:
     csv_path = out / "pipeline" / "metrics-rank0.csv"
     log = out / "advise.json"
-    rc = run([sys.executable, "-m", "autotune.cli", "advise", "--format", "json", str(csv_path)], log, 60)
+    rc = run([sys.executable, "-m", "autotune.cli.main", "advise", "--format", "json", str(csv_path)], log, 60)
     findings = json.loads(log.read_text())["findings"] if rc == 0 else []
     status = {f["rule_id"]: f["status"] for f in findings}
     fired = sorted(r for r, st in status.items() if st == "fired")

@@ -39,10 +39,10 @@ def main() -> int:
     import deepspeed
     import torch
 
-    from autotune.instrument import PipelineProbe, engine_device_probe
-    from autotune.workload.data import batches, synthetic_tokens
-    from autotune.workload.model import build_pipeline_module
-    from autotune.workload.presets import get_preset
+    from autotune.rank.instrument import PipelineProbe, engine_device_probe
+    from autotune.rank.workload.data import batches, synthetic_tokens
+    from autotune.rank.workload.model import build_pipeline_module
+    from autotune.rank.workload.presets import get_preset
 
     torch.set_num_threads(1)
     preset = get_preset(args.preset)

@@ -61,7 +61,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from autotune.launcher import processes_with, remove_shm_buffers, shm_buffers  # noqa: E402
+from autotune.trials.launcher import processes_with, remove_shm_buffers, shm_buffers  # noqa: E402
 
 CONFIG = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4,
           "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}, "steps_per_print": 10**9}
@@ -78,7 +78,7 @@ MARKERS = {
     "rendezvous": ("deepspeed_shm_comm_op built successfully", "Initializing TorchBackend"),
     "engine-build": ("\n  loss: ", "DeepSpeed info: version=", "DeepSpeed Flops Profiler"),
 }
-RANK_SCRIPTS = ("autotune/workload/train.py", "autotune/workload/worker.py")
+RANK_SCRIPTS = ("autotune/rank/workload/train.py", "autotune/rank/workload/worker.py")
 NO_PROGRESS_S = 80.0
 RANK_WINDOW_S = 6.0
 SOURCE_LOCK_WAIT_S = 600.0
@@ -493,8 +493,8 @@ def copy_extensions(work: Path) -> tuple[Path, str, dict[str, float]]:
     how += f"; ninja -n: {', '.join(states) or 'not run'}"
     if any("NOT" in s for s in states):  # the source was built by another ninja or venv: build here first,
         # as a run's pre-flight would, so that round 1 is about its kill and not about a build
-        from autotune.ext_locks import build_ops, unbuilt_ops
-        from autotune.launcher import with_own_tools
+        from autotune.trials.ext_locks import build_ops, unbuilt_ops
+        from autotune.trials.launcher import with_own_tools
 
         env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(ext), "DS_ACCELERATOR": "cpu",
                "PATH": with_own_tools(os.environ.get("PATH", ""))}

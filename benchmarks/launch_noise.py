@@ -11,13 +11,13 @@ ONE configuration of the default demo (its default config's global batch, at `--
 and the chosen stages x dp), measured with a fixed number of steps (the same n for every
 interval):
 - fresh: `--n x --pools` trials, each a new DeepSpeed launch;
-- warm: `--pools` pools of warm workers (autotune/workers.py), `--n` trials in each;
+- warm: `--pools` pools of warm workers (autotune/trials/warm_pool.py), `--n` trials in each;
 alternated trial by trial (fresh, warm, fresh, warm, ...), so drift of a shared machine
 touches both modes alike. An idle warm pool polls its job folder while a fresh trial runs
 (every 20 ms: negligible CPU).
 
 Per mode it prints the within-trial spread (median over trials of the median step time's
-95 % interval half-width, autotune/step_budget.py) against the between-launch spread (the
+95 % interval half-width, autotune/core/step_budget.py) against the between-launch spread (the
 coefficient of variation of the trials' median step times). For warm it also splits the
 between-trial spread into within a pool and between pools: a pool that "freezes" the
 launch noise shows a small within-pool CV and a large between-pool difference.
@@ -31,11 +31,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-from autotune.options import RunOptions, WorkloadOptions
-from autotune.space import TrialConfig
-from autotune.starting_point import load_base_config
-from autotune.trial import BuiltinRunner, builtin_runner
-from autotune.trial_contract import TrialRequest
+from autotune.core.options import RunOptions, WorkloadOptions
+from autotune.core.space import TrialConfig
+from autotune.trials.builtin import BuiltinRunner, builtin_runner
+from autotune.trials.contract import TrialRequest
+from autotune.tuning.starting_point import load_base_config
 
 
 def cv(xs: list[float]) -> float:

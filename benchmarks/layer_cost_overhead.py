@@ -9,7 +9,7 @@ Run (2 stages, 2 ranks, CPU):
 (`--quick`: 2 block pairs of 1 step, a smoke run whose ratio is noise.)
 
 Within one process per rank, blocks of steps alternate between the probe alone and the
-probe plus the layer-cost sink (autotune/layer_costs.py), so machine noise hits both alike.
+probe plus the layer-cost sink (autotune/rank/layer_costs.py), so machine noise hits both alike.
 Each rank prints the wall-time ratio and the thread-CPU-time ratio (the hooks' own work,
 without the waits for peers and cores that make wall time noisy on shared cores).
 """
@@ -40,11 +40,11 @@ def main() -> int:
     import deepspeed
     import torch
 
-    from autotune.instrument import PipelineProbe
-    from autotune.layer_costs import LayerCostSink
-    from autotune.workload.data import batches, synthetic_tokens
-    from autotune.workload.model import build_pipeline_module
-    from autotune.workload.presets import get_preset
+    from autotune.rank.instrument import PipelineProbe
+    from autotune.rank.layer_costs import LayerCostSink
+    from autotune.rank.workload.data import batches, synthetic_tokens
+    from autotune.rank.workload.model import build_pipeline_module
+    from autotune.rank.workload.presets import get_preset
 
     torch.set_num_threads(1)
     preset = get_preset(args.preset)

@@ -1,4 +1,4 @@
-"""The point-to-point split (autotune/p2p_split.py) against an injected truth, in figures.
+"""The point-to-point split (autotune/rank/p2p_split.py) against an injected truth, in figures.
 
 Two real CPU ranks of the built-in workload (gloo); stage S's forward and backward are
 stretched F times on every other step of one run (the workload's hidden --slow-stage,

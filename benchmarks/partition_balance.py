@@ -15,7 +15,7 @@ time a GPU's events measure); the wall-time figure beside it also holds each ran
 a core when there are fewer cores than ranks (4 stages on 2 cores), which no partition decides.
 
 Per stage count: a first `parameters` trial measures the layer costs (layer-costs-rank*.csv);
-autotune.partition computes the balanced parts from them; then every round runs each method
+autotune.core.partition computes the balanced parts from them; then every round runs each method
 once (parameters, uniform, balanced[, refined]), the order rotated from round to round
 (A B C, B C A, C A B, ...) so that no method always goes first and drift on a shared machine
 hits all alike. Figures are medians over rounds, with each method's min-max, and the
@@ -25,10 +25,10 @@ throughput goal counts as shown only when balanced is at least as fast in every 
 
 Throughput needs the warm mode (the default): fresh launches of one identical
 configuration differ by ~29 % (CV) on this machine (benchmarks/launch_noise.py), trials in
-one pool of warm workers (autotune/workers.py) by ~4 %. A pool is keyed by the ds_config
+one pool of warm workers (autotune/trials/warm_pool.py) by ~4 %. A pool is keyed by the ds_config
 only (`workers.pool_key`) and every trial builds a fresh PipelineModule from its own trial
-description (autotune/workload/train.py), so all the partitions of one stage count run one
-after the other in ONE pool, as the tuner's partition step runs them (autotune/balance.py
+description (autotune/rank/workload/train.py), so all the partitions of one stage count run one
+after the other in ONE pool, as the tuner's partition step runs them (autotune/tuning/balance.py
 swaps the runner's workload the same way); a pool is recycled after MAX_JOBS_PER_POOL trials,
 never in the middle of a round, so both sides of a paired ratio ran in one pool. In warm
 mode the rounds run without the layer-cost hooks (the throughput a user gets); `--fresh`
@@ -48,20 +48,20 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from autotune.balance import partition_uniform
-from autotune.dsconfig import DsConfig
-from autotune.launcher import LaunchSpec, run_trial_process
-from autotune.layer_costs import read_trial_layer_costs
-from autotune.metrics_csv import read_metrics_csv
-from autotune.options import WorkloadOptions
-from autotune.partition import balanced_parts, describe_moves, imbalance, stage_times
-from autotune.pipeline_parts import method_for
-from autotune.space import TrialConfig
-from autotune.summary import summarize_trial
-from autotune.trial import builtin_runner
-from autotune.trial_contract import TrialRequest
-from autotune.workers import MAX_JOBS_PER_POOL
-from autotune.workload.trial_spec import SPEC_NAME, TrialSpec
+from autotune.core.dsconfig import DsConfig
+from autotune.core.options import WorkloadOptions
+from autotune.core.partition import balanced_parts, describe_moves, imbalance, stage_times
+from autotune.core.space import TrialConfig
+from autotune.core.summary import summarize_trial
+from autotune.loaders.metrics import read_records as read_metrics_csv
+from autotune.rank.layer_costs import read_trial_layer_costs
+from autotune.rank.pipeline_parts import method_for
+from autotune.rank.workload.trial_spec import SPEC_NAME, TrialSpec
+from autotune.trials.builtin import builtin_runner
+from autotune.trials.contract import TrialRequest
+from autotune.trials.launcher import LaunchSpec, run_trial_process
+from autotune.trials.warm_pool import MAX_JOBS_PER_POOL
+from autotune.tuning.balance import partition_uniform
 
 BUILT_IN = ("parameters", "uniform")
 TIMEOUT = 900.0
@@ -116,7 +116,7 @@ class FreshTrials:
 
 class WarmTrials:
     """Every trial a job of one pool of warm workers, through the tuner's own warm runner: the
-    partition (and the hooks) change by swapping the runner's workload, as autotune/balance.py does."""
+    partition (and the hooks) change by swapping the runner's workload, as autotune/tuning/balance.py does."""
 
     def __init__(self, root: Path, stages: int, args: argparse.Namespace) -> None:
         self.folder = root / f"s{stages}-warm"  # the pool lives in its workers/ folder
@@ -197,7 +197,7 @@ def run_stage_count(stages: int, args: argparse.Namespace, root: Path) -> tuple[
               flush=True)
         methods = {"parameters": "parameters", "uniform": "uniform", "balanced": method_for(parts)}
         method_parts = {"parameters": lc.parts, "uniform": partition_uniform(lc.parts[-1], stages), "balanced": parts}
-        if args.refine:  # the tuner's second round (autotune/balance.py): re-solve from the balanced trial
+        if args.refine:  # the tuner's second round (autotune/tuning/balance.py): re-solve from the balanced trial
             first, _ = trials("balanced-measure", method_for(parts), True)
             lc2 = read_trial_layer_costs(first)
             refined = balanced_parts(lc2.costs, stages, stage_fixed=lc2.stage_fixed_seconds)

@@ -1,8 +1,8 @@
 """Does a pool of warm workers slow down the longer it lives?
 
 One configuration of the tiny demo (4 stages x 1 dp, micro 2, GAS 8) run `--trials` times in
-one pool of warm workers (autotune/workers.py), the pool recycled after MAX_JOBS_PER_POOL
-trials as in a run. Before autotune/workload/groups.py each trial left its process groups,
+one pool of warm workers (autotune/trials/warm_pool.py), the pool recycled after MAX_JOBS_PER_POOL
+trials as in a run. Before autotune/rank/workload/groups.py each trial left its process groups,
 and their gloo threads, alive: 30 trials read 96.8 samples/s at first and 50-65 after 20; and
 the last rank kept every trial's engine until train.drop_autograd_graphs (docs/warm-workers.md).
 
@@ -29,12 +29,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
-from autotune.dsconfig import DsConfig  # noqa: E402
-from autotune.options import WorkloadOptions  # noqa: E402
-from autotune.space import TrialConfig  # noqa: E402
-from autotune.trial import builtin_runner  # noqa: E402
-from autotune.trial_contract import TrialRequest  # noqa: E402
-from autotune.workers import MAX_JOBS_PER_POOL  # noqa: E402
+from autotune.core.dsconfig import DsConfig  # noqa: E402
+from autotune.core.options import WorkloadOptions  # noqa: E402
+from autotune.core.space import TrialConfig  # noqa: E402
+from autotune.trials.builtin import builtin_runner  # noqa: E402
+from autotune.trials.contract import TrialRequest  # noqa: E402
+from autotune.trials.warm_pool import MAX_JOBS_PER_POOL  # noqa: E402
 
 CONFIG = {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 8,
           "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}, "steps_per_print": 10**9}

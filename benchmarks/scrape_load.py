@@ -47,7 +47,7 @@ from pathlib import Path  # noqa: E402
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from autotune.schema import StepRecord  # noqa: E402
+from autotune.core.schema import StepRecord  # noqa: E402
 from exporters.prometheus_rank import RankExporter  # noqa: E402
 from exporters.sidecar import SidecarExporter  # noqa: E402
 

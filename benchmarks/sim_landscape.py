@@ -24,7 +24,7 @@ analytic and small, but it has the shapes that make tuning hard:
 - 2 % multiplicative noise and 5 % straggler trials (0.6-0.85x).
 
 `Scenario.run()` returns a `TrialResult` carrying a real
-`autotune.summary.TrialSummary` (bubble ideal/measured, comm/compute ratio,
+`autotune.core.summary.TrialSummary` (bubble ideal/measured, comm/compute ratio,
 stage imbalance, utilization, peak memory), so rules see real signal fields.
 `Scenario.true_value()` is the noise-free expected throughput
 ``samples/s * P(no OOM)``: a config that fits only on lucky days is worth less.
@@ -37,9 +37,9 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from autotune.proposers.base import STATUS_FAILED, STATUS_OK, TrialResult
-from autotune.space import SearchSpace, TrialConfig
-from autotune.summary import RankSummary, TrialSummary, ideal_bubble_fraction
+from autotune.core.space import SearchSpace, TrialConfig
+from autotune.core.summary import RankSummary, TrialSummary, ideal_bubble_fraction
+from autotune.tuning.proposers.base import STATUS_FAILED, STATUS_OK, TrialResult
 
 DEFAULT_BUCKET = 500_000_000
 """DeepSpeed's reduce_bucket_size default (elements), also the hard-coded ZeRO-0 bucket."""
@@ -155,7 +155,7 @@ class Scenario:
 
     def summary(self, cfg: TrialConfig, factor: float, trial: int,
                 rng: np.random.Generator) -> TrialSummary:
-        """A TrialSummary as `autotune.summary.summarize_trial` would compute it."""
+        """A TrialSummary as `autotune.core.summary.summarize_trial` would compute it."""
         sp = self.space
         p, m = sp.pipeline_stages, cfg.gradient_accumulation_steps
         bd = self.breakdown(cfg)

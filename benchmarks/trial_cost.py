@@ -31,12 +31,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from autotune.core.options import RunOptions, WorkloadOptions
+from autotune.core.space import TrialConfig
 from autotune.loaders.metrics import read_trial_columns
-from autotune.options import RunOptions, WorkloadOptions
-from autotune.space import TrialConfig
-from autotune.starting_point import load_base_config
-from autotune.trial import builtin_runner
-from autotune.trial_contract import TrialRequest
+from autotune.trials.builtin import builtin_runner
+from autotune.trials.contract import TrialRequest
+from autotune.tuning.starting_point import load_base_config
 
 QUICK_ARGS = ["--dp", "1", "--steps", "2", "--warmup-steps", "1"]
 MODE_ARGS = {

@@ -35,8 +35,8 @@ from collections import Counter  # noqa: E402
 from dataclasses import dataclass, field, replace  # noqa: E402
 from multiprocessing import Pool  # noqa: E402
 
-from autotune.proposers.history import History  # noqa: E402
-from autotune.proposers.registry import default_moves, make_proposer, names  # noqa: E402
+from autotune.tuning.proposers.history import History  # noqa: E402
+from autotune.tuning.proposers.registry import default_moves, make_proposer, names  # noqa: E402
 from benchmarks.sim_landscape import SimRun, calibration, scenarios  # noqa: E402
 
 TUNERS = ["hybrid", "bayes", "optuna-gp", "optuna-tpe", "ds-autotuner", "random", "grid"]
@@ -44,7 +44,7 @@ TUNERS = ["hybrid", "bayes", "optuna-gp", "optuna-tpe", "ds-autotuner", "random"
 
 def moves_fn():
     """The rule engine's moves, as `autotune run` uses them."""
-    return default_moves(), "autotune.proposers.rule_moves.propose_moves"
+    return default_moves(), "autotune.tuning.proposers.rule_moves.propose_moves"
 
 
 @dataclass

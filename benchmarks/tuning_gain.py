@@ -26,11 +26,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from autotune.options import RunOptions
-from autotune.space import TrialConfig
-from autotune.starting_point import baseline_config, build_space, load_base_config
-from autotune.trial import BuiltinRunner, builtin_runner
-from autotune.trial_contract import TrialRequest
+from autotune.core.options import RunOptions
+from autotune.core.space import TrialConfig
+from autotune.trials.builtin import BuiltinRunner, builtin_runner
+from autotune.trials.contract import TrialRequest
+from autotune.tuning.starting_point import baseline_config, build_space, load_base_config
 
 
 def run_trial(runner: BuiltinRunner, cfg: TrialConfig, folder: Path, n: int) -> float:

@@ -8,7 +8,7 @@ API (all the instrumentation needs)::
     sampler.memory()                        # DeviceMemory(used_bytes, total_bytes, peak_bytes) | None
     sampler.close()
     cuda_memory_stats("cuda:0")             # allocator stats dict, or None on CPU
-    probe = make_device_probe("cuda:0")     # what autotune.instrument asks once per step:
+    probe = make_device_probe("cuda:0")     # what autotune.rank.instrument asks once per step:
     probe.utilization(step_seconds)         #   NVML mean over the step, None on CPU
     probe.memory()                          #   cuda_memory_stats (peak reset per step) and
                                             #   capacity_bytes (device total), None on CPU

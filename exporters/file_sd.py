@@ -10,7 +10,7 @@ Prometheus `file_sd` targets file current from those records (`LiveTargets`):
      {"targets": ["127.0.0.1:9700"], "labels": {"job": "autotune"}}]
 
 Prometheus re-reads the file when it changes (file_sd_configs); it is always
-replaced whole (autotune.fileio.write_atomic), never seen half-written. Targets
+replaced whole (autotune.core.fileio.write_atomic), never seen half-written. Targets
 carry their own host: records from ranks on other machines (issue 12) list
 those machines, not this one.
 """
@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from autotune.fileio import write_atomic
+from autotune.core.fileio import write_atomic
 
 TARGETS_FILE = "prometheus_targets.json"
 RANK_ENDPOINT = "endpoint-rank{rank}.json"

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from autotune.space import TrialConfig
-from autotune.summary import TrialSummary
+from autotune.core.space import TrialConfig
+from autotune.core.summary import TrialSummary
 from exporters.endpoint import Endpoint, serve_registry
 
 DEFAULT_CONTROLLER_PORT = 9700

@@ -13,7 +13,7 @@ Usage (what the instrumentation does)::
     exporter.serve()                 # prints "metrics: http://127.0.0.1:9710/metrics"
     for record in steps: exporter.write(record)
 
-Signals use the definitions in `autotune.summary` (fluctuation, comm/compute
+Signals use the definitions in `autotune.core.summary` (fluctuation, comm/compute
 ratio, ideal bubble); docs/metrics.md lists every metric.
 """
 
@@ -35,8 +35,8 @@ from prometheus_client.core import (
     Metric,
 )
 
-from autotune.schema import StepRecord
-from autotune.summary import (
+from autotune.core.schema import StepRecord
+from autotune.core.summary import (
     bubble_fraction,
     comm_compute_ratio,
     fluctuation,
@@ -295,7 +295,7 @@ def start_rank_exporter(
     *, addr: str = "127.0.0.1", port: int | None = None, labels: Mapping[str, object] | None = None,
     registry: CollectorRegistry | None = None,
 ) -> RankExporter | None:
-    """Create and serve a RankExporter (what `autotune.instrument.instrument` calls).
+    """Create and serve a RankExporter (what `autotune.rank.instrument.instrument` calls).
 
     Returns None when no port could be bound (a warning says so); training goes on.
     """

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from autotune.space import TrialConfig
+from autotune.core.space import TrialConfig
 from exporters.file_sd import (
     RANK_ENDPOINT,
     TARGETS_FILE,

@@ -27,7 +27,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from autotune.schema import StepRecord
+from autotune.core.schema import StepRecord
 from exporters.endpoint import warn
 from exporters.prometheus_rank import DEFAULT_BUCKETS, DEFAULT_WINDOW, RankExporter
 

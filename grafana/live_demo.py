@@ -27,9 +27,9 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from autotune.schema import StepRecord
-from autotune.space import TrialConfig
-from autotune.summary import summarize_trial
+from autotune.core.schema import StepRecord
+from autotune.core.space import TrialConfig
+from autotune.core.summary import summarize_trial
 from exporters.prometheus_controller import ControllerExporter
 from exporters.prometheus_rank import RankExporter
 

@@ -9,8 +9,8 @@ import io
 import sqlite3
 from pathlib import Path
 
-from autotune.schema import CSV_COLUMNS, StepRecord, record_to_row
-from autotune.summary import RankSummary, TrialSummary, ideal_bubble_fraction
+from autotune.core.schema import CSV_COLUMNS, StepRecord, record_to_row
+from autotune.core.summary import RankSummary, TrialSummary, ideal_bubble_fraction
 
 
 def healthy_summary(**overrides: object) -> TrialSummary:
@@ -123,7 +123,7 @@ class RecordingDisplay:
 
 
 class ScriptedRunner:
-    """The trial contract's shape (autotune/trial_contract.py) for tests that drive a Tuner without
+    """The trial contract's shape (autotune/trials/contract.py) for tests that drive a Tuner without
     processes: a subclass answers `answer(request)`; nothing outlives a trial."""
 
     cluster = None
@@ -150,7 +150,7 @@ def run_trial(runner, number: int, config, trial_dir, *, timeout: float, incumbe
     (samples/s, noise) pair)."""
     from pathlib import Path
 
-    from autotune.trial_contract import Incumbent, TrialRequest
+    from autotune.trials.contract import Incumbent, TrialRequest
 
     return runner.run(TrialRequest(number=number, config=config, trial_dir=Path(trial_dir), timeout=timeout,
                                    incumbent=Incumbent(*incumbent) if incumbent else None, **request))

@@ -7,10 +7,10 @@ from pathlib import Path
 
 from builders import SMALL_STEP, record
 
-from autotune.metrics_csv import CsvSink
-from autotune.space import TrialConfig
-from autotune.study import Study
-from autotune.summary import summarize_trial
+from autotune.core.space import TrialConfig
+from autotune.core.summary import summarize_trial
+from autotune.rank.metrics_csv import CsvSink
+from autotune.study.store import Study
 
 SPACE = {"description": "global batch 32 fixed; micro in [1, 2, 4, 8], GAS derived", "bucket_range": [10_000, 240_000]}
 WORKLOAD = {"preset": "tiny", "pipeline_stages": 2, "data_parallel_size": 2, "steps": 4, "warmup_steps": 1}

@@ -8,11 +8,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-from autotune.launcher import LaunchSpec, run_trial_process
-from autotune.metrics_csv import read_metrics_csv
-from autotune.options import WorkloadOptions
-from autotune.summary import TrialSummary, summarize_trial
-from autotune.workload.trial_spec import SPEC_NAME, describe_workload
+from autotune.core.options import WorkloadOptions
+from autotune.core.summary import TrialSummary, summarize_trial
+from autotune.loaders.metrics import read_records as read_metrics_csv
+from autotune.rank.workload.trial_spec import SPEC_NAME, describe_workload
+from autotune.trials.launcher import LaunchSpec, run_trial_process
 
 
 def autotune_cli(*args: str, cwd: Path, timeout: float = 900, env: dict | None = None):

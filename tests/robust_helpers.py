@@ -8,8 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from autotune.launcher import processes_with
-from autotune.study import open_study_readonly
+from autotune.study.store import open_study_readonly
+from autotune.trials.launcher import processes_with
 
 FAST = ["--dp", "1", "--steps", "2", "--warmup-steps", "1", "--fixed-steps"]  # exactly 2: fast, countable
 FAST_CONFIG = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4,

@@ -1,4 +1,4 @@
-"""A setting step driven one trial at a time, as the tuner drives it (autotune/tuning_steps.py).
+"""A setting step driven one trial at a time, as the tuner drives it (autotune/tuning/steps.py).
 
 `before(number, proposal)` fills a trial request through the step's `prepare` and returns
 it; `after(...)` hands the step a TrialEnd built from the old positional arguments. Every
@@ -10,8 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from autotune.trial_contract import TrialRequest
-from autotune.tuning_steps import TrialEnd
+from autotune.trials.contract import TrialRequest
+from autotune.tuning.steps import TrialEnd
 
 
 class Driven:

@@ -17,14 +17,14 @@ import pytest
 from builders import csv_text, record
 from click.testing import CliRunner
 
-from autotune.cli_advise import advise_command
+from autotune.cli.advise import advise_command
 
 SMI_HEADER = "timestamp, index, name, pci.bus_id, utilization.gpu [%], memory.used [MiB], memory.total [MiB]\n"
 
 
 @click.group()
 def cli() -> None:
-    """Local group: the lead registers the commands in autotune.cli."""
+    """Local group: the lead registers the commands in autotune.cli.main."""
 
 
 cli.add_command(advise_command)
@@ -209,7 +209,7 @@ def test_a_real_slowed_stage_is_named(tmp_path):
 
 
 def write_layer_costs(folder: Path, costs: list[float], parts: list[int]) -> None:
-    from autotune.layer_costs import rows_to_csv
+    from autotune.rank.layer_costs import rows_to_csv
 
     stages = len(parts) - 1
     for st in range(stages):

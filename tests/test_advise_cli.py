@@ -12,16 +12,16 @@ from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from autotune.cli_advise import advise_command, check_command
-from autotune.dsconfig import DsConfig
-from autotune.schema import CSV_COLUMNS
+from autotune.cli.advise import advise_command, check_command
+from autotune.core.dsconfig import DsConfig
+from autotune.core.schema import CSV_COLUMNS
 
 FIX = Path(__file__).parent / "fixtures" / "advise"
 
 
 @click.group()
 def cli() -> None:
-    """Local group: the lead registers the commands in autotune.cli."""
+    """Local group: the lead registers the commands in autotune.cli.main."""
 
 
 cli.add_command(advise_command)

@@ -13,14 +13,14 @@ from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from autotune.cli_advise import advise_command
+from autotune.cli.advise import advise_command
 
 FIX = Path(__file__).parent / "fixtures" / "advise"
 
 
 @click.group()
 def cli() -> None:
-    """Local group: the lead registers the commands in autotune.cli."""
+    """Local group: the lead registers the commands in autotune.cli.main."""
 
 
 cli.add_command(advise_command)

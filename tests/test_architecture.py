@@ -1,7 +1,13 @@
 """The layout's promises, checked on the source: dependencies point one way.
 
+The folders are the roles (docs/architecture.md): `core` the data model, `rank` what runs in a
+training rank, `trials` one trial from the controller's side, `study` the history, `tuning` the
+run's loop, `cli` the commands.
+
 - no import cycle among the modules of `autotune` and `exporters`, lazy imports included;
-- the advisor knows nothing of the tuner: no `autotune.advisor` module imports a proposer;
+- rank-side code imports only the data model (and the rank side, and exporters' rank endpoints);
+- the data model imports nothing else of autotune; nothing imports the command line;
+- the advisor knows nothing of the tuner: no `autotune.advisor` module imports the tuning run;
 - the core reaches `exporters` only where a probe or a run is wired to its endpoints;
 - the study store reaches the data model only, never a feature (a step, the user's command);
 - no optional import is swallowed silently: each `except ImportError` is listed here, with why.
@@ -19,23 +25,23 @@ PACKAGES = ("autotune", "exporters")
 # The only places where the core imports exporters: the assembly of a rank's sinks
 # (`instrument()`, the one-liner) and of a run's controller endpoint. Exporters depend on
 # the core's data model (schema, summary, space), never the other way round elsewhere.
-CORE_TO_EXPORTERS = {"autotune.instrument", "autotune.session", "autotune.usercmd.watch"}
+CORE_TO_EXPORTERS = {"autotune.rank.instrument", "autotune.tuning.session", "autotune.usercmd.watch"}
 
-# What the study store (`autotune.study`, with the rows' rules it asks: `autotune.measurements`)
+# What the study store (`autotune.study.store`, with the rows' rules it asks: `autotune.study.measurements`)
 # may reach, lazy imports included: the data model. A feature that writes trials of its own
 # kind (the knob sweep, the partition step) names its source there, so the store never imports it.
-STORE_REACHES = {"autotune.study", "autotune.measurements", "autotune.space", "autotune.errors", "autotune.dsconfig",
-                 "autotune.trial_kind"}
+STORE_REACHES = {"autotune.study.store", "autotune.study.measurements", "autotune.core.space",
+                 "autotune.core.errors", "autotune.core.dsconfig", "autotune.core.trial_kind"}
 
 ALLOWED_IMPORT_FALLBACKS = {
     # Without torch there is no CUDA: the trial ranks get DeepSpeed's CPU accelerator.
-    "autotune.launcher",
+    "autotune.trials.launcher",
     # Without torch the device question is answered with a one-line UserError naming the install.
-    "autotune.precision",
+    "autotune.trials.precision",
     # Without torch there is no CUDA allocator: fragmentation is "not available", never 0.
     "exporters.devices",
     # A user's job run by another Python than autotune's: the rank says so and runs uninstrumented.
-    "autotune.usercmd.bootstrap.sitecustomize",
+    "autotune.rank.bootstrap.sitecustomize",
 }
 
 
@@ -94,7 +100,7 @@ def test_no_import_cycle():
 
 def test_the_advisor_knows_nothing_of_the_tuner():
     bad = {m: sorted(i for i in _imports(m, module_level_only=False)
-                     if i.startswith(("autotune.proposers", "autotune.tuner")))
+                     if i.startswith("autotune.tuning"))
            for m in MODULES if m.startswith("autotune.advisor")}
     assert {m: v for m, v in bad.items() if v} == {}
 
@@ -106,7 +112,7 @@ def test_the_core_reaches_exporters_only_where_it_wires_them():
 
 
 def test_the_store_imports_no_feature():
-    reached, todo = set(), ["autotune.study"]
+    reached, todo = set(), ["autotune.study.store"]
     while todo:
         m = todo.pop()
         if m not in reached:
@@ -124,3 +130,29 @@ def test_no_silent_optional_import():
                 if names & {"ImportError", "ModuleNotFoundError"}:
                     found[name] += 1
     assert set(found) <= ALLOWED_IMPORT_FALLBACKS, set(found) - ALLOWED_IMPORT_FALLBACKS
+
+
+RANK_MAY_IMPORT = ("autotune.core", "autotune.rank", "exporters")
+"""A training rank runs inside the user's job: it may import the data model, the rank side
+itself and the exporters' rank endpoints, never the controller (tuning, trials, study, cli)."""
+
+
+def _outside(prefix: str, allowed: tuple[str, ...]) -> dict[str, list[str]]:
+    bad = {m: sorted(i for i in _imports(m, module_level_only=False)
+                     if not i.startswith(allowed) and i != "autotune")
+           for m in MODULES if m == prefix or m.startswith(prefix + ".")}
+    return {m: v for m, v in bad.items() if v}
+
+
+def test_rank_side_code_imports_only_the_data_model():
+    assert _outside("autotune.rank", RANK_MAY_IMPORT) == {}
+
+
+def test_the_data_model_imports_nothing_else_of_autotune():
+    assert _outside("autotune.core", ("autotune.core",)) == {}
+
+
+def test_nothing_imports_the_command_line():
+    users = {m for m in MODULES if not m.startswith("autotune.cli") and m != "autotune.__main__"
+             and any(i.startswith("autotune.cli") for i in _imports(m, module_level_only=False))}
+    assert users == set()

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from autotune.cli import cli
+from autotune.cli.main import cli
 
 FIXTURES = Path(__file__).parent / "fixtures" / "advise"
 FILES = ("h200-small-1stage.csv", "nvidia_smi_2gpu.csv", "prometheus_export.csv")

@@ -18,16 +18,16 @@ import pytest
 from builders import not_a_study
 from click.testing import CliRunner
 
-from autotune.cli import cli
-from autotune.dsconfig import DsConfig
-from autotune.errors import UserError
-from autotune.faults import parse_faults
-from autotune.launcher import group_alive, processes_with, stop_leftovers
-from autotune.options import WorkloadOptions
-from autotune.space import TrialConfig
-from autotune.study import STATUS_OK, Study, stored_budget
-from autotune.trial import builtin_runner
-from autotune.trial_contract import TrialRequest
+from autotune.cli.main import cli
+from autotune.core.dsconfig import DsConfig
+from autotune.core.errors import UserError
+from autotune.core.faults import parse_faults
+from autotune.core.options import WorkloadOptions
+from autotune.core.space import TrialConfig
+from autotune.study.store import STATUS_OK, Study, stored_budget
+from autotune.trials.builtin import builtin_runner
+from autotune.trials.contract import TrialRequest
+from autotune.trials.launcher import group_alive, processes_with, stop_leftovers
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -236,7 +236,7 @@ def test_fault_specs(tmp_path):
 
 
 def test_derived_timeout_follows_the_slowest_finished_trial(tmp_path):
-    from autotune.trial_limits import (
+    from autotune.trials.limits import (
         FIRST_TIMEOUT,
         MIN_TIMEOUT,
         STARTUP_BEFORE_MEASURED,
@@ -284,7 +284,7 @@ def test_no_shell_and_loopback_defaults():
     sources = [p for d in ("autotune", "exporters", "benchmarks") for p in (REPO / d).rglob("*.py")]
     offenders = [str(p) for p in sources if re.search(r"shell\s*=\s*True|os\.system\(|os\.popen\(", p.read_text())]
     assert offenders == []
-    from autotune.options import RunOptions
+    from autotune.core.options import RunOptions
 
     assert RunOptions().metrics_addr == "127.0.0.1" and WorkloadOptions().metrics_addr == "127.0.0.1"
     help_text = invoke("run", "--help").output

@@ -1,4 +1,4 @@
-"""The partition step of a tuning run (autotune/balance.py), decision by decision, without DeepSpeed.
+"""The partition step of a tuning run (autotune/tuning/balance.py), decision by decision, without DeepSpeed.
 
 The layer costs are real layer-cost files in a real study folder; the runner is the built-in
 BuiltinRunner (nothing is launched: only the workload a request gives it is read)."""
@@ -10,14 +10,21 @@ import json
 from builders import healthy_summary
 from step_driver import Driven
 
-from autotune.balance import COSTS, RECHECK, REFERENCE, SOURCE, StageBalancer, describe_result
-from autotune.dsconfig import DsConfig
-from autotune.layer_costs import rows_to_csv
-from autotune.measurements import superseded
-from autotune.options import WorkloadOptions
-from autotune.proposers.base import Proposal
-from autotune.space import TrialConfig
-from autotune.trial import BuiltinRunner
+from autotune.core.dsconfig import DsConfig
+from autotune.core.options import WorkloadOptions
+from autotune.core.space import TrialConfig
+from autotune.rank.layer_costs import rows_to_csv
+from autotune.study.measurements import superseded
+from autotune.trials.builtin import BuiltinRunner
+from autotune.tuning.balance import (
+    COSTS,
+    RECHECK,
+    REFERENCE,
+    SOURCE,
+    StageBalancer,
+    describe_result,
+)
+from autotune.tuning.proposers.base import Proposal
 
 CFG = TrialConfig(micro_batch_size=2, gradient_accumulation_steps=4)
 BIG = TrialConfig(micro_batch_size=8, gradient_accumulation_steps=1)
@@ -237,7 +244,7 @@ def test_the_noise_recheck_needs_room_and_a_failed_recheck_rejects_at_once(tmp_p
 
 
 def _row(n, source, sps, status="ok", config=CFG, imbalance=1.4):
-    from autotune.study import TrialRow
+    from autotune.study.store import TrialRow
 
     return TrialRow(id=n + 1, number=n, status=status, source=source, reason="", config=config,
                     samples_per_second=sps, failure_reason=None, failure_detail=None,

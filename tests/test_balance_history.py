@@ -1,4 +1,4 @@
-"""The partition trial shares the baseline's history key (autotune/balance.py `superseded`).
+"""The partition trial shares the baseline's history key (autotune/tuning/balance.py `superseded`).
 
 It runs the baseline's micro-batch, GAS and bucket with other parts, so the study and the
 proposer must not take it for a second run of the baseline's configuration: the best
@@ -15,18 +15,18 @@ import json
 
 from builders import RecordingDisplay, ScriptedRunner, healthy_summary
 
-from autotune.balance import COSTS, SOURCE, StageBalancer, describe_result
-from autotune.dsconfig import DsConfig
-from autotune.judge import TrialOutcome, failed
-from autotune.layer_costs import rows_to_csv
-from autotune.measurements import superseded
-from autotune.options import WorkloadOptions
-from autotune.proposers.base import STATUS_OK, TrialResult
-from autotune.proposers.hybrid import HybridProposer
-from autotune.space import SearchSpace, TrialConfig
-from autotune.study import Study
-from autotune.trial import BuiltinRunner
-from autotune.tuner import Tuner
+from autotune.core.dsconfig import DsConfig
+from autotune.core.options import WorkloadOptions
+from autotune.core.space import SearchSpace, TrialConfig
+from autotune.rank.layer_costs import rows_to_csv
+from autotune.study.measurements import superseded
+from autotune.study.store import Study
+from autotune.trials.builtin import BuiltinRunner
+from autotune.trials.judge import TrialOutcome, failed
+from autotune.tuning.balance import COSTS, SOURCE, StageBalancer, describe_result
+from autotune.tuning.proposers.base import STATUS_OK, TrialResult
+from autotune.tuning.proposers.hybrid import HybridProposer
+from autotune.tuning.tuner import Tuner
 
 BASE = TrialConfig(micro_batch_size=2, gradient_accumulation_steps=4)
 OTHER = TrialConfig(micro_batch_size=4, gradient_accumulation_steps=2)
@@ -92,7 +92,7 @@ class RecordingProposer(HybridProposer):
         super().tell(config, result)
 
     def ask(self):
-        from autotune.proposers.base import Proposal
+        from autotune.tuning.proposers.base import Proposal
 
         if not any(c == OTHER for c, _, _ in self.told):
             self.history.pending.add(OTHER.key())
@@ -209,7 +209,7 @@ def test_the_built_in_parts_are_deepspeeds_own():
 
     from deepspeed.runtime import utils as ds
 
-    from autotune.balance import partition_balanced, partition_uniform
+    from autotune.tuning.balance import partition_balanced, partition_uniform
 
     rng = random.Random(0)
     for _ in range(60):

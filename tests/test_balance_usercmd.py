@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 from launch_helpers import autotune_cli
 
-from autotune.balance import THRESHOLD
-from autotune.layer_costs import read_trial_layer_costs
+from autotune.rank.layer_costs import read_trial_layer_costs
+from autotune.tuning.balance import THRESHOLD
 
 pytestmark = pytest.mark.slow
 SCRIPT = Path(__file__).resolve().parent / "usercmd_scripts" / "uneven_pipeline.py"

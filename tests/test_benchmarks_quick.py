@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from autotune.launcher import free_port, remove_shm_buffers
+from autotune.trials.launcher import free_port, remove_shm_buffers
 
 pytestmark = pytest.mark.slow
 

@@ -1,4 +1,4 @@
-"""Activation checkpointing with real ranks (autotune/checkpoint_step.py): a checkpointed trial
+"""Activation checkpointing with real ranks (autotune/tuning/checkpoint_step.py): a checkpointed trial
 trains the same model to the same losses, and `autotune run` runs one after an out-of-memory
 trial. The step's decisions against an injected memory cliff are in tests/test_checkpoint_step.py."""
 
@@ -11,11 +11,11 @@ from builders import run_trial
 from robust_helpers import FAST, FAST_CONFIG, alive_under, start_cli, write_config
 from test_warm_workers import losses
 
-from autotune.dsconfig import DsConfig
-from autotune.options import WorkloadOptions
-from autotune.space import TrialConfig
-from autotune.study import Study
-from autotune.trial import builtin_runner
+from autotune.core.dsconfig import DsConfig
+from autotune.core.options import WorkloadOptions
+from autotune.core.space import TrialConfig
+from autotune.study.store import Study
+from autotune.trials.builtin import builtin_runner
 
 pytestmark = pytest.mark.slow
 

@@ -1,4 +1,4 @@
-"""The checkpoint step (autotune/checkpoint_step.py): a micro-batch that ran out of memory is
+"""The checkpoint step (autotune/tuning/checkpoint_step.py): a micro-batch that ran out of memory is
 run again with activation checkpointing, kept when it is the fastest, climbed while it wins.
 
 The tuning loop, the study (SQLite), the step and the hybrid proposer are the real ones; the
@@ -14,14 +14,14 @@ import json
 
 from builders import RecordingDisplay, ScriptedRunner, healthy_summary
 
-from autotune.checkpoint_step import MAX_TRIALS, SOURCE, CheckpointStep
-from autotune.dsconfig import DsConfig
-from autotune.judge import TrialOutcome, failed
-from autotune.proposers.base import STATUS_OK, Proposal, TrialResult
-from autotune.proposers.hybrid import HybridProposer
-from autotune.space import SearchSpace, TrialConfig
-from autotune.study import Study
-from autotune.tuner import Tuner
+from autotune.core.dsconfig import DsConfig
+from autotune.core.space import SearchSpace, TrialConfig
+from autotune.study.store import Study
+from autotune.trials.judge import TrialOutcome, failed
+from autotune.tuning.checkpoint_step import MAX_TRIALS, SOURCE, CheckpointStep
+from autotune.tuning.proposers.base import STATUS_OK, Proposal, TrialResult
+from autotune.tuning.proposers.hybrid import HybridProposer
+from autotune.tuning.tuner import Tuner
 
 FITS, FITS_CKPT, RECOMPUTE = 4, 8, 0.8
 BASE = TrialConfig(micro_batch_size=1, gradient_accumulation_steps=32)
@@ -181,8 +181,7 @@ def test_only_out_of_memory_calls_for_it_and_no_configuration_twice_nor_more_tha
 def test_the_interval_is_stored_read_back_and_added_to_an_older_study(tmp_path):
     import sqlite3
 
-    from autotune import study as study_mod
-
+    from autotune.study import store as study_mod
     old = tmp_path / "old"
     old.mkdir()
     db = sqlite3.connect(old / study_mod.DB_NAME)

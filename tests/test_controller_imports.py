@@ -2,7 +2,7 @@
 
 torch (1-3 s) is imported by the controller only to ask about a GPU or a reduced precision;
 scikit-optimize, SciPy and matplotlib (2-4 s) arrive in a background thread
-(autotune/preload.py) while the baseline starts its ranks. Each check runs in a fresh
+(autotune/tuning/preload.py) while the baseline starts its ranks. Each check runs in a fresh
 interpreter, since pytest's own process has imported everything long ago.
 """
 
@@ -29,7 +29,7 @@ def fresh_python(code: str, **env: str) -> dict:
 def test_no_gpu_device_means_cpu_ranks_without_importing_torch():
     got = fresh_python("""
         import json, sys
-        from autotune import launcher
+        from autotune.trials import launcher
         launcher.GPU_DEVICE_NODES = ("/nonexistent/nvidia0",)
         env = launcher.accelerator_env()
         print(json.dumps({"env": env, "torch": "torch" in sys.modules}))
@@ -43,7 +43,7 @@ def test_a_gpu_device_file_makes_torch_decide(tmp_path):
     node.write_text("")
     got = fresh_python(f"""
         import json, sys
-        from autotune import launcher
+        from autotune.trials import launcher
         launcher.GPU_DEVICE_NODES = ({str(node)!r},)
         env = launcher.accelerator_env()
         import torch
@@ -57,8 +57,8 @@ def test_a_gpu_device_file_makes_torch_decide(tmp_path):
 def test_an_fp32_config_is_checked_without_asking_the_devices():
     got = fresh_python(f"""
         import json, sys
-        from autotune.dsconfig import DsConfig
-        from autotune.precision import check_precision
+        from autotune.core.dsconfig import DsConfig
+        from autotune.trials.precision import check_precision
         check_precision(DsConfig.from_dict({FAST_CONFIG!r}))
         print(json.dumps({{"torch": "torch" in sys.modules}}))
     """)
@@ -68,10 +68,10 @@ def test_an_fp32_config_is_checked_without_asking_the_devices():
 def test_the_optimizer_imports_skopt_only_when_it_fits_and_after_the_preload():
     got = fresh_python("""
         import json, sys
-        from autotune import preload
-        from autotune.proposers.base import STATUS_OK, TrialResult
-        from autotune.proposers.registry import make_proposer
-        from autotune.space import SearchSpace
+        from autotune.tuning import preload
+        from autotune.tuning.proposers.base import STATUS_OK, TrialResult
+        from autotune.tuning.proposers.registry import make_proposer
+        from autotune.core.space import SearchSpace
         space = SearchSpace.build(pipeline_stages=2, data_parallel_size=2, zero_stage=1, micro_max=16,
                                   gas_max=16, max_global_batch=256)
         p = make_proposer("hybrid", space, seed=0, moves=lambda *a, **k: [])
@@ -93,7 +93,7 @@ def test_the_optimizer_imports_skopt_only_when_it_fits_and_after_the_preload():
 def test_a_missing_module_leaves_the_preload_quiet():
     got = fresh_python("""
         import json
-        from autotune import preload
+        from autotune.tuning import preload
         preload.start(("no_such_module_for_autotune", "json"))
         preload.wait()
         preload.start(("another_one",))  # once per process: a second start is a no-op

@@ -13,8 +13,8 @@ from rich.console import Console
 
 from autotune.advisor.findings import Change, Evidence, Finding
 from autotune.advisor.render import print_table
-from autotune.display import ProgressDisplay
-from autotune.space import TrialConfig
+from autotune.core.space import TrialConfig
+from autotune.tuning.display import ProgressDisplay
 
 GLOO = "Connection closed by peer [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553]"
 

@@ -5,9 +5,9 @@ import pytest
 from autotune.advisor.config_rules import config_facts
 from autotune.advisor.findings import FIRED, Change, Finding
 from autotune.advisor.patch import patch_config
-from autotune.dsconfig import DsConfig, load_ds_config, reduce_bucket_acts, reduce_bucket_inert
-from autotune.errors import ConfigError
-from autotune.space import SearchSpace
+from autotune.core.dsconfig import DsConfig, load_ds_config, reduce_bucket_acts, reduce_bucket_inert
+from autotune.core.errors import ConfigError
+from autotune.core.space import SearchSpace
 
 
 def test_resolve_batch_fills_missing_like_deepspeed():

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from launch_helpers import run_ranks
 
-from autotune.schema import CSV_COLUMNS, REQUIRED_COLUMNS
+from autotune.core.schema import CSV_COLUMNS, REQUIRED_COLUMNS
 
 pytestmark = pytest.mark.slow
 SHM = Path("/dev/shm")
@@ -83,9 +83,9 @@ def test_summary_json_and_best(study):
 
 
 def test_the_typed_results_are_summary_json_report_md_and_the_printed_lines(study):
-    from autotune.study import open_study_readonly
-    from autotune.study_outputs import render_markdown
-    from autotune.study_results import read_results
+    from autotune.study.outputs import render_markdown
+    from autotune.study.results import read_results
+    from autotune.study.store import open_study_readonly
 
     root, proc, _ = study
     st = open_study_readonly(root)

@@ -12,7 +12,7 @@ import weakref
 
 import torch
 
-from autotune.workload.train import drop_autograd_graphs
+from autotune.rank.workload.train import drop_autograd_graphs
 
 
 class Engine:

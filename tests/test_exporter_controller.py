@@ -7,8 +7,8 @@ from prom_helpers import scrape, synthetic_records
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from autotune.space import TrialConfig
-from autotune.summary import summarize_trial
+from autotune.core.space import TrialConfig
+from autotune.core.summary import summarize_trial
 from exporters.prometheus_controller import ControllerExporter
 
 

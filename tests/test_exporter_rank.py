@@ -11,7 +11,7 @@ from prom_helpers import scrape, synthetic_records, taken_port
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from autotune.summary import fluctuation, ideal_bubble_fraction
+from autotune.core.summary import fluctuation, ideal_bubble_fraction
 from exporters.endpoint import MetricsEndpointWarning
 from exporters.prometheus_rank import RankExporter
 

@@ -1,4 +1,4 @@
-"""Torch extension locks before a launch (autotune/ext_locks.py): stale ones go, live ones wait.
+"""Torch extension locks before a launch (autotune/trials/ext_locks.py): stale ones go, live ones wait.
 
 Every lock here is planted under the test's own TORCH_EXTENSIONS_DIR, never in the
 machine's own cache."""
@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from autotune import ext_locks
-from autotune.ext_locks import (
+from autotune.trials import ext_locks
+from autotune.trials.ext_locks import (
     ExtensionLockBusy,
     Preflight,
     clear_stale_locks,

@@ -11,12 +11,12 @@ import pytest
 from builders import run_trial
 from robust_helpers import FAST, alive_under, rows, start_cli, write_config
 
-from autotune.dsconfig import DsConfig
-from autotune.launcher import group_alive
-from autotune.options import WorkloadOptions
-from autotune.precision import probe_devices
-from autotune.space import TrialConfig
-from autotune.trial import builtin_runner
+from autotune.core.dsconfig import DsConfig
+from autotune.core.options import WorkloadOptions
+from autotune.core.space import TrialConfig
+from autotune.trials.builtin import builtin_runner
+from autotune.trials.launcher import group_alive
+from autotune.trials.precision import probe_devices
 
 pytestmark = pytest.mark.slow
 

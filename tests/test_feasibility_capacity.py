@@ -11,10 +11,10 @@ import pytest
 from builders import record
 from fake_nvml import FakeNvml
 
-from autotune.proposers.base import STATUS_FAILED, STATUS_OK, TrialResult
-from autotune.proposers.feasibility import FeasibilityModel
-from autotune.space import SearchSpace, TrialConfig
-from autotune.summary import summarize_trial
+from autotune.core.space import SearchSpace, TrialConfig
+from autotune.core.summary import summarize_trial
+from autotune.tuning.proposers.base import STATUS_FAILED, STATUS_OK, TrialResult
+from autotune.tuning.proposers.feasibility import FeasibilityModel
 from exporters.devices import make_device_probe
 
 GIB = 1024**3

@@ -12,7 +12,7 @@ from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from autotune.cli import cli
+from autotune.cli.main import cli
 from benchmarks.fuzz_loaders import (
     mutate_bytes,
     mutate_csv,

@@ -10,11 +10,11 @@ from builders import not_a_study
 from click.testing import CliRunner
 from html_study import CFGS, failed_trial, full_study, new_study, ok_trial
 
-from autotune.cli import cli
-from autotune.errors import StudyError, UserError
+from autotune.cli.main import cli
+from autotune.core.errors import StudyError, UserError
 from autotune.report_html import at_end_of_run, report_on_folder
 from autotune.report_html.gather import gather_study
-from autotune.study import Study, open_study_readonly
+from autotune.study.store import Study, open_study_readonly
 
 pytest.importorskip("matplotlib", reason="the report extra: pip install 'autotune[report]'")
 
@@ -164,7 +164,7 @@ def test_cli_report_with_out_folder(tmp_path):
 
 
 def test_missing_matplotlib_is_one_line_naming_the_extra(tmp_path, monkeypatch):
-    import autotune.extras as extras
+    import autotune.core.extras as extras
 
     root = full_study(tmp_path / "st")
     real = extras.importlib.util.find_spec

@@ -1,4 +1,4 @@
-from autotune.launcher import LaunchSpec, build_command, remove_shm_buffers
+from autotune.trials.launcher import LaunchSpec, build_command, remove_shm_buffers
 
 
 def test_shm_buffers_of_one_trial_port_only_are_removed(tmp_path):
@@ -25,7 +25,7 @@ def test_master_ports_come_from_below_the_ephemeral_range_and_are_free(monkeypat
     taken between the draw and the store's listen (EADDRINUSE beside another suite)."""
     import socket
 
-    import autotune.launcher as launcher
+    import autotune.trials.launcher as launcher
 
     low = launcher._ephemeral_low()
     ports = {launcher.free_port() for _ in range(20)}

@@ -6,7 +6,7 @@ import subprocess
 import sys
 import time
 
-from autotune.launcher import leftover_ports, processes_with
+from autotune.trials.launcher import leftover_ports, processes_with
 
 
 def test_leftover_ports_reads_both_spellings_of_the_port(tmp_path):

@@ -12,12 +12,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from autotune.advisor import evaluate
-from autotune.errors import InputFileError
+from autotune.core.errors import InputFileError
+from autotune.core.summary import summarize
 from autotune.loaders import detect_format, load_input
 from autotune.loaders.metrics import load_summaries
 from autotune.loaders.nvidia_smi import load_nvidia_smi
 from autotune.loaders.prometheus import load_prometheus
-from autotune.summary import summarize
 
 FIX = Path(__file__).parent / "fixtures" / "advise"
 

@@ -1,4 +1,4 @@
-"""The between-launch noise margin is written once (autotune/noise.py) and every user takes it from there."""
+"""The between-launch noise margin is written once (autotune/core/noise.py) and every user takes it from there."""
 
 from __future__ import annotations
 
@@ -7,13 +7,13 @@ import dataclasses
 import inspect
 from pathlib import Path
 
-from autotune.balance import StageBalancer
-from autotune.noise import NOISE_MARGIN
-from autotune.proposers.hybrid import HybridProposer
-from autotune.rank_plan import RankPlan
-from autotune.step_budget import rank_budget
-from autotune.usercmd.hook import BootstrapSettings
-from autotune.workload.trial_spec import TrialSpec
+from autotune.core.noise import NOISE_MARGIN
+from autotune.core.rank_plan import RankPlan
+from autotune.core.step_budget import rank_budget
+from autotune.rank.hook import BootstrapSettings
+from autotune.rank.workload.trial_spec import TrialSpec
+from autotune.tuning.balance import StageBalancer
+from autotune.tuning.proposers.hybrid import HybridProposer
 
 REPO = Path(__file__).resolve().parent.parent
 MARGIN_NAMES = {"noise", "NOISE", "DEFAULT_NOISE", "NOISE_MARGIN"}
@@ -45,7 +45,7 @@ def test_no_module_but_autotune_noise_writes_the_margin_as_a_number():
     found = []
     for pkg in ("autotune", "exporters"):
         for path in sorted((REPO / pkg).rglob("*.py")):
-            if path == REPO / "autotune" / "noise.py":
+            if path == REPO / "autotune" / "core" / "noise.py":
                 continue
             for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
                 pairs: list[tuple[str | None, ast.AST | None]] = []
@@ -62,4 +62,4 @@ def test_no_module_but_autotune_noise_writes_the_margin_as_a_number():
                     pairs += [(_name(t), node.value) for t in node.targets]
                 found += [f"{path.relative_to(REPO)}:{name}" for name, value in pairs
                           if name in MARGIN_NAMES and _numbers(value)]
-    assert found == [], "the noise margin is autotune.noise.NOISE_MARGIN; import it"
+    assert found == [], "the noise margin is autotune.core.noise.NOISE_MARGIN; import it"

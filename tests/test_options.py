@@ -1,4 +1,4 @@
-"""One option tree from the command line to the rank (autotune/options.py)."""
+"""One option tree from the command line to the rank (autotune/core/options.py)."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ import re
 import pytest
 from click.testing import CliRunner
 
-from autotune.cli import cli
-from autotune.errors import UserError
-from autotune.options import RunOptions, WorkloadOptions, check_fields, from_cli
-from autotune.workload.train import parse_args
-from autotune.workload.trial_spec import describe_workload
+from autotune.cli.main import cli
+from autotune.core.errors import UserError
+from autotune.core.options import RunOptions, WorkloadOptions, check_fields, from_cli
+from autotune.rank.workload.train import parse_args
+from autotune.rank.workload.trial_spec import describe_workload
 
 
 def _cli_fields(cls):
@@ -67,7 +67,7 @@ def test_a_rank_reads_the_same_workload_the_controller_wrote(tmp_path):
 
 
 def test_the_presets_layer_limit_binds_the_built_in_workload_only():
-    from autotune.validation import validate
+    from autotune.tuning.validation import validate
 
     opts = RunOptions(workload=WorkloadOptions(pipeline_stages=8))  # tiny has 4 blocks + 2 ends
     with pytest.raises(UserError, match="exceeds the 6 layers of preset tiny"):
@@ -76,7 +76,7 @@ def test_the_presets_layer_limit_binds_the_built_in_workload_only():
 
 
 def test_watch_takes_the_endpoint_options_of_run_from_the_one_declaration():
-    from autotune.options import endpoint_fields
+    from autotune.core.options import endpoint_fields
     from autotune.usercmd.watch import WatchOptions
 
     def params(command: str) -> dict[str, object]:

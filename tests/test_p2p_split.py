@@ -1,4 +1,4 @@
-"""A point-to-point instruction's time split into transfer and waiting (autotune/p2p_split.py);
+"""A point-to-point instruction's time split into transfer and waiting (autotune/rank/p2p_split.py);
 the real-process truth is in tests/test_signal_truth.py and tests/test_unknown_not_zero.py."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import time
 
 import pytest
 
-from autotune.instrument import INSTRUCTION_CATEGORY, P2P_CATEGORIES
-from autotune.p2p_split import P2P_INSTRUCTIONS, TransferSplit, p2p_category
-from autotune.timing import HostTimer, WallAndCpuTimer
+from autotune.rank.instrument import INSTRUCTION_CATEGORY, P2P_CATEGORIES
+from autotune.rank.p2p_split import P2P_INSTRUCTIONS, TransferSplit, p2p_category
+from autotune.rank.timing import HostTimer, WallAndCpuTimer
 
 
 def test_the_fastest_instance_of_a_kind_is_its_transfer_and_the_rest_is_waiting():

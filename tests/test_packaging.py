@@ -19,7 +19,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 FIXTURES = REPO / "tests" / "fixtures" / "advise"
-SHIPPED = ("autotune/data/builtin_rules.toml", "autotune/workload/train.py", "autotune/py.typed",
+SHIPPED = ("autotune/data/builtin_rules.toml", "autotune/rank/workload/train.py", "autotune/py.typed",
            "exporters/sidecar.py")
 HEAVY = ("torch", "deepspeed", "sklearn", "scipy", "skopt", "prometheus_client", "matplotlib")
 

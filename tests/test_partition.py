@@ -1,4 +1,4 @@
-"""The partition solver (autotune/partition.py) against brute force over every contiguous partition."""
+"""The partition solver (autotune/core/partition.py) against brute force over every contiguous partition."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from autotune.errors import UserError
-from autotune.partition import (
+from autotune.core.errors import UserError
+from autotune.core.partition import (
     LayerMove,
     MemoryModel,
     balanced_parts,
@@ -135,8 +135,8 @@ def test_parse_parts():
     ("profile", "parts:B0,B1"),
 ])
 def test_a_bad_partition_method_is_one_clear_error(method, message):
-    from autotune.options import RunOptions, WorkloadOptions
-    from autotune.validation import validate
+    from autotune.core.options import RunOptions, WorkloadOptions
+    from autotune.tuning.validation import validate
 
     opts = RunOptions(workload=WorkloadOptions(preset="tiny", pipeline_stages=2, partition_method=method))
     with pytest.raises(UserError, match=message):
@@ -144,7 +144,7 @@ def test_a_bad_partition_method_is_one_clear_error(method, message):
 
 
 def test_explicit_parts_are_a_valid_method():
-    from autotune.options import RunOptions, WorkloadOptions
-    from autotune.validation import validate
+    from autotune.core.options import RunOptions, WorkloadOptions
+    from autotune.tuning.validation import validate
 
     validate(RunOptions(workload=WorkloadOptions(preset="tiny", pipeline_stages=2, partition_method="parts:0,2,6")))

@@ -26,10 +26,8 @@ from builders import csv_text, healthy_summary, record
 from click.testing import CliRunner
 from step_driver import Driven
 
-from autotune.balance import COSTS, SOURCE, StageBalancer, describe_result
-from autotune.cli_advise import advise_command
-from autotune.layer_costs import rows_to_csv
-from autotune.partition import (
+from autotune.cli.advise import advise_command
+from autotune.core.partition import (
     balanced_parts,
     imbalance,
     partition_balanced,
@@ -37,9 +35,11 @@ from autotune.partition import (
     type_methods,
     type_parts,
 )
-from autotune.proposers.base import Proposal
-from autotune.space import TrialConfig
-from autotune.usercmd.hook import layer_classes
+from autotune.core.space import TrialConfig
+from autotune.rank.hook import layer_classes
+from autotune.rank.layer_costs import rows_to_csv
+from autotune.tuning.balance import COSTS, SOURCE, StageBalancer, describe_result
+from autotune.tuning.proposers.base import Proposal
 
 CFG = TrialConfig(micro_batch_size=2, gradient_accumulation_steps=4)
 BIG = TrialConfig(micro_batch_size=8, gradient_accumulation_steps=1)
@@ -150,7 +150,7 @@ def metrics_folder(folder: Path, stage_compute: list[float]) -> Path:
 
 @click.group()
 def cli() -> None:
-    """Local group: the lead registers the commands in autotune.cli."""
+    """Local group: the lead registers the commands in autotune.cli.main."""
 
 
 cli.add_command(advise_command)

@@ -18,10 +18,10 @@ import pytest
 from click.testing import CliRunner
 from robust_helpers import FAST_CONFIG
 
-from autotune.cli import cli
-from autotune.dsconfig import DsConfig
-from autotune.errors import ConfigError
-from autotune.precision import (
+from autotune.cli.main import cli
+from autotune.core.dsconfig import DsConfig
+from autotune.core.errors import ConfigError
+from autotune.trials.precision import (
     TEST_OVERRIDE_ENV,
     DeviceSupport,
     check_precision,
@@ -103,7 +103,7 @@ def test_run_refuses_before_the_first_trial_and_leaves_a_study_alone(tmp_path, f
     assert not (tmp_path / "new").exists()  # no study folder made for a run that cannot run
 
     # An existing study (made by the real Study API) is left exactly as it was.
-    from autotune.study import Study
+    from autotune.study.store import Study
 
     study = Study.open(tmp_path / "old", create=True, meta={"settings": {"x": 1}})
     study.close()

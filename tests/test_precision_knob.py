@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from autotune.study import Study
+from autotune.study.store import Study
 from autotune.usercmd.knobs import is_precision
 
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from prom_helpers import REPO, require_binary, scrape, synthetic_records
 
-from autotune.space import TrialConfig
-from autotune.summary import summarize_trial
+from autotune.core.space import TrialConfig
+from autotune.core.summary import summarize_trial
 from exporters import alerts_gen
 from exporters.prometheus_controller import ControllerExporter
 from exporters.prometheus_rank import RankExporter

@@ -7,11 +7,11 @@ import math
 
 import pytest
 
-from autotune.proposers.base import STATUS_FAILED, STATUS_OK, Proposal, Proposer, TrialResult
-from autotune.proposers.feasibility import FeasibilityModel
-from autotune.proposers.hybrid import HybridProposer
-from autotune.proposers.registry import make_proposer, names
-from autotune.space import SearchSpace, TrialConfig
+from autotune.core.space import SearchSpace, TrialConfig
+from autotune.tuning.proposers.base import STATUS_FAILED, STATUS_OK, Proposal, Proposer, TrialResult
+from autotune.tuning.proposers.feasibility import FeasibilityModel
+from autotune.tuning.proposers.hybrid import HybridProposer
+from autotune.tuning.proposers.registry import make_proposer, names
 
 NAMES = names()
 
@@ -207,7 +207,7 @@ def test_hybrid_remeasures_close_top_two_at_the_end() -> None:
 def test_history_stores_a_saturated_bucket_as_the_ranges_top() -> None:
     """The baseline's default 5e8 on a small model reduces like the range's top:
     the model learns from it instead of dropping it as out of space."""
-    from autotune.proposers.history import History
+    from autotune.tuning.proposers.history import History
 
     space = SearchSpace.build(pipeline_stages=2, data_parallel_size=2, zero_stage=1, global_batch=64,
                               model_parameters=234_048)

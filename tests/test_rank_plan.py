@@ -1,4 +1,4 @@
-"""The rank plan (autotune/rank_plan.py): one set of fields every rank reads, one JSON form,
+"""The rank plan (autotune/core/rank_plan.py): one set of fields every rank reads, one JSON form,
 and both rank descriptions (the built-in trial.json, the bootstrap's settings) made of it."""
 
 from __future__ import annotations
@@ -7,17 +7,17 @@ import dataclasses
 import json
 import os
 
-from autotune.dsconfig import DsConfig
-from autotune.options import WorkloadOptions
-from autotune.rank_plan import RankPlan
-from autotune.rank_wiring import rank_watchdog
-from autotune.space import TrialConfig
-from autotune.trial import BuiltinRunner
-from autotune.trial_contract import Incumbent, TrialRequest
-from autotune.usercmd.hook import MODE_PROBE, BootstrapSettings
-from autotune.watchdog import StallLimits
-from autotune.workload.train import parse_args
-from autotune.workload.trial_spec import SPEC_NAME, TrialSpec, describe_workload
+from autotune.core.dsconfig import DsConfig
+from autotune.core.options import WorkloadOptions
+from autotune.core.rank_plan import RankPlan
+from autotune.core.space import TrialConfig
+from autotune.rank.hook import MODE_PROBE, BootstrapSettings
+from autotune.rank.watchdog import StallLimits
+from autotune.rank.wiring import rank_watchdog
+from autotune.rank.workload.train import parse_args
+from autotune.rank.workload.trial_spec import SPEC_NAME, TrialSpec, describe_workload
+from autotune.trials.builtin import BuiltinRunner
+from autotune.trials.contract import Incumbent, TrialRequest
 
 PLAN_FIELDS = {f.name for f in dataclasses.fields(RankPlan)}
 

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 from robust_helpers import FAST, alive_under, rows, start_cli, write_config
 
-from autotune.errors import StudyError
-from autotune.launcher import group_alive, shm_buffers
-from autotune.study import open_study_readonly
+from autotune.core.errors import StudyError
+from autotune.study.store import open_study_readonly
+from autotune.trials.launcher import group_alive, shm_buffers
 
 pytestmark = pytest.mark.slow
 

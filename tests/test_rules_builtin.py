@@ -7,8 +7,8 @@ from builders import healthy_summary
 
 from autotune.advisor import check_config, evaluate, load_rules
 from autotune.advisor.targets import gas_for_bubble, loader_workers
-from autotune.dsconfig import DsConfig
-from autotune.summary import RankSummary
+from autotune.core.dsconfig import DsConfig
+from autotune.core.summary import RankSummary
 
 
 def fired(findings, rule_id):
@@ -132,8 +132,8 @@ def test_the_data_parallel_remedy_is_proposed_only_with_data_parallelism():
 
 
 def test_comm_high_moves_the_tuner_to_one_bucket():
-    from autotune.proposers.rule_moves import propose_moves
-    from autotune.space import SearchSpace, TrialConfig
+    from autotune.core.space import SearchSpace, TrialConfig
+    from autotune.tuning.proposers.rule_moves import propose_moves
 
     space = SearchSpace.build(pipeline_stages=2, data_parallel_size=2, zero_stage=1, global_batch=64,
                               model_parameters=234_048)

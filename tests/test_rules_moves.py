@@ -6,9 +6,9 @@ import pytest
 from builders import healthy_summary
 
 from autotune.advisor import check_config, evaluate, patch_config
-from autotune.dsconfig import DsConfig
-from autotune.proposers.rule_moves import propose_moves
-from autotune.space import SearchSpace, TrialConfig
+from autotune.core.dsconfig import DsConfig
+from autotune.core.space import SearchSpace, TrialConfig
+from autotune.tuning.proposers.rule_moves import propose_moves
 
 
 def _space(**kw):

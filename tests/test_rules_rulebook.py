@@ -7,7 +7,7 @@ from builders import healthy_summary
 
 from autotune.advisor import evaluate, load_rule_file, load_rules
 from autotune.advisor.conditions import Combine, Compare
-from autotune.errors import InputFileError
+from autotune.core.errors import InputFileError
 
 GOOD = """
 [[rule]]

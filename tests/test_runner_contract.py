@@ -1,4 +1,4 @@
-"""The trial contract (autotune/trial_contract.py): every runner through the same cases.
+"""The trial contract (autotune/trials/contract.py): every runner through the same cases.
 
 As Optuna runs every storage through one suite (optuna/testing/pytest_storages.py), each
 implementation here (fresh processes, warm workers, the user's own command) runs the same
@@ -24,14 +24,14 @@ from pathlib import Path
 import pytest
 from robust_helpers import FAST_CONFIG, alive_under
 
-from autotune.dsconfig import DsConfig
-from autotune.layer_costs import read_trial_layer_costs
-from autotune.options import WorkloadOptions
-from autotune.space import TrialConfig
-from autotune.trial import BuiltinRunner, WarmRunner, builtin_runner
-from autotune.trial_contract import Runner, TrialRequest
+from autotune.core.dsconfig import DsConfig
+from autotune.core.options import WorkloadOptions
+from autotune.core.space import TrialConfig
+from autotune.rank.layer_costs import read_trial_layer_costs
+from autotune.trials.builtin import BuiltinRunner, WarmRunner, builtin_runner
+from autotune.trials.contract import Runner, TrialRequest
+from autotune.trials.user_command import UserCommandRunner
 from autotune.usercmd.command import parse_command
-from autotune.usercmd.runner import UserCommandRunner
 
 pytestmark = pytest.mark.slow
 

@@ -1,7 +1,7 @@
 """The budget as a cap: the hybrid says when its search has converged, the tuning loop stops
 there, says why once, stores it (summary.json `stopped`), a resumed stopped study runs no more
-trials, and `--full-budget` runs them all (autotune/proposers/convergence.py,
-autotune/search_stop.py)."""
+trials, and `--full-budget` runs them all (autotune/tuning/proposers/convergence.py,
+autotune/tuning/search_stop.py)."""
 
 from __future__ import annotations
 
@@ -12,16 +12,16 @@ import pytest
 from builders import RecordingDisplay, ScriptedRunner
 from click.testing import CliRunner
 
-from autotune.cli import cli
-from autotune.judge import TrialOutcome
-from autotune.proposers.base import STATUS_OK, TrialResult
-from autotune.proposers.convergence import expected_improvement, noise_estimate
-from autotune.proposers.history import History
-from autotune.proposers.hybrid import HybridProposer
-from autotune.proposers.registry import make_proposer, names
-from autotune.space import SearchSpace, TrialConfig
-from autotune.study import Study
-from autotune.tuner import Tuner
+from autotune.cli.main import cli
+from autotune.core.space import SearchSpace, TrialConfig
+from autotune.study.store import Study
+from autotune.trials.judge import TrialOutcome
+from autotune.tuning.proposers.base import STATUS_OK, TrialResult
+from autotune.tuning.proposers.convergence import expected_improvement, noise_estimate
+from autotune.tuning.proposers.history import History
+from autotune.tuning.proposers.hybrid import HybridProposer
+from autotune.tuning.proposers.registry import make_proposer, names
+from autotune.tuning.tuner import Tuner
 
 
 def space() -> SearchSpace:

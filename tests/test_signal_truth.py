@@ -7,7 +7,7 @@ import re
 import pytest
 from launch_helpers import pipeline_config, run_ranks
 
-from autotune.summary import summarize_trial
+from autotune.core.summary import summarize_trial
 from benchmarks.p2p_split_truth import figures
 
 pytestmark = pytest.mark.slow

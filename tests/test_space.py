@@ -1,7 +1,7 @@
 import pytest
 
-from autotune.errors import UserError
-from autotune.space import SearchSpace, TrialConfig, divisors, powers_of_two, round_bucket
+from autotune.core.errors import UserError
+from autotune.core.space import SearchSpace, TrialConfig, divisors, powers_of_two, round_bucket
 
 
 def test_helpers():
@@ -66,8 +66,8 @@ def test_bad_bounds_are_user_errors(kw, text):
 
 def test_baseline_follows_a_global_batch_override():
     """--global-batch 8 with a config of global batch 64: the baseline runs global batch 8 too."""
-    from autotune.options import RunOptions, WorkloadOptions
-    from autotune.starting_point import baseline_config, build_space, load_base_config
+    from autotune.core.options import RunOptions, WorkloadOptions
+    from autotune.tuning.starting_point import baseline_config, build_space, load_base_config
 
     opts = RunOptions(global_batch=8, workload=WorkloadOptions(data_parallel_size=1))
     base = load_base_config(opts)
@@ -99,8 +99,8 @@ def test_bucket_range_ends_at_the_model_size_where_the_model_is_smaller():
 
 def test_parameter_count_matches_the_built_model():
     pytest.importorskip("torch")
-    from autotune.workload.model import DecoderLayerPipe, EmbeddingPipe, LMHeadPipe
-    from autotune.workload.presets import get_preset, parameter_count
+    from autotune.rank.workload.model import DecoderLayerPipe, EmbeddingPipe, LMHeadPipe
+    from autotune.rank.workload.presets import get_preset, parameter_count
 
     for name in ("tiny", "small"):
         p = get_preset(name)

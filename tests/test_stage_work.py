@@ -1,5 +1,5 @@
-"""Stage work on a CPU: thread CPU time beside the wall clock (autotune/timing.py), and the
-stage work imbalance the partition step decides on (autotune/summary.py, autotune/balance.py).
+"""Stage work on a CPU: thread CPU time beside the wall clock (autotune/rank/timing.py), and the
+stage work imbalance the partition step decides on (autotune/core/summary.py, autotune/tuning/balance.py).
 
 On a machine with fewer cores than ranks, an interval's wall time also holds the wait for a
 core; the CPU-time view must leave that wait out and keep the work.
@@ -13,9 +13,9 @@ import time
 import pytest
 from builders import healthy_summary, record
 
-from autotune.balance import work_imbalance
-from autotune.summary import summarize_trial
-from autotune.timing import CPU_SUFFIX, WallAndCpuTimer, make_timer, work_view
+from autotune.core.summary import summarize_trial
+from autotune.rank.timing import CPU_SUFFIX, WallAndCpuTimer, make_timer, work_view
+from autotune.tuning.balance import work_imbalance
 
 
 def _spin(seconds: float) -> None:

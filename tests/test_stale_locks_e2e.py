@@ -19,7 +19,7 @@ import pytest
 from launch_helpers import autotune_cli
 from robust_helpers import FAST, alive_under, write_config
 
-from autotune.ext_locks import build_ops, extension_roots, locks, unbuilt_ops
+from autotune.trials.ext_locks import build_ops, extension_roots, locks, unbuilt_ops
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parent.parent

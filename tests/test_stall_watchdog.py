@@ -1,6 +1,6 @@
-"""A rank that makes no progress writes its stack and ends (autotune/watchdog.py), and the
-controller says where it hung (autotune/hangs.py) and how long the next may take
-(autotune/trial_limits.py)."""
+"""A rank that makes no progress writes its stack and ends (autotune/rank/watchdog.py), and the
+controller says where it hung (autotune/trials/hangs.py) and how long the next may take
+(autotune/trials/limits.py)."""
 
 from __future__ import annotations
 
@@ -13,18 +13,18 @@ from types import SimpleNamespace
 import pytest
 from builders import RecordingDisplay, ScriptedRunner
 
-from autotune.hangs import read_hang, where_hung
-from autotune.judge import TrialOutcome, failed
-from autotune.proposers.base import TrialResult
-from autotune.space import TrialConfig
-from autotune.study import STATUS_OK, Study
-from autotune.trial_limits import FIRST_TIMEOUT, STARTUP_BEFORE_MEASURED, limits_for
-from autotune.tuner import StartupStalls
-from autotune.watchdog import STEP_FLOOR_SECONDS, StallLimits, Watchdog, building_op
+from autotune.core.space import TrialConfig
+from autotune.rank.watchdog import STEP_FLOOR_SECONDS, StallLimits, Watchdog, building_op
+from autotune.study.store import STATUS_OK, Study
+from autotune.trials.hangs import read_hang, where_hung
+from autotune.trials.judge import TrialOutcome, failed
+from autotune.trials.limits import FIRST_TIMEOUT, STARTUP_BEFORE_MEASURED, limits_for
+from autotune.tuning.proposers.base import TrialResult
+from autotune.tuning.tuner import StartupStalls
 
 WAIT_ON_LOCK = """
 import sys
-from autotune.watchdog import StallLimits, Watchdog
+from autotune.rank.watchdog import StallLimits, Watchdog
 # torch first: on a loaded machine its import alone outlasted the limit, and the hang then
 # named the import, not the lock
 from torch.utils.file_baton import FileBaton  # torch's own lock, as cpp_extension.load takes it
@@ -55,7 +55,7 @@ def test_a_rank_waiting_on_a_stale_extension_lock_ends_as_a_hang_that_names_the_
 
 WAIT_FOR_A_LIVE_BUILD = """
 import sys, time
-import autotune.watchdog as w
+import autotune.rank.watchdog as w
 # torch first: on a loaded machine its import alone outlasted the limit (the check then saw an
 # import, not a build, and the rank ended as a hang): the wait is what this test is about
 from torch.utils.file_baton import FileBaton
@@ -112,7 +112,7 @@ def test_a_build_is_progress_and_a_lock_nobody_holds_is_not(tmp_path):
 def test_a_step_far_slower_than_the_ranks_own_steps_is_a_stall(tmp_path):
     code = """
 import sys, time
-import autotune.watchdog as w
+import autotune.rank.watchdog as w
 w.STEP_FLOOR_SECONDS = 0.5
 dog = w.Watchdog(sys.argv[1], 0, w.StallLimits(startup_seconds=30))
 dog.startup(from_process_start=False)
@@ -239,9 +239,9 @@ def _hang(where: str) -> TrialOutcome:
 
 
 def _tune(root, runner, budget=4):
-    from autotune.proposers.hybrid import HybridProposer
-    from autotune.space import SearchSpace
-    from autotune.tuner import Tuner
+    from autotune.core.space import SearchSpace
+    from autotune.tuning.proposers.hybrid import HybridProposer
+    from autotune.tuning.tuner import Tuner
 
     sp = SearchSpace.build(pipeline_stages=2, data_parallel_size=1, zero_stage=1, global_batch=16)
     study = Study.open(root, create=True)

@@ -1,4 +1,4 @@
-"""The trial-length rule (autotune/step_budget.py): the median's interval, when steps stop."""
+"""The trial-length rule (autotune/core/step_budget.py): the median's interval, when steps stop."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from autotune.step_budget import (
+from autotune.core.step_budget import (
     CAP,
     FIXED,
     HOPELESS,
@@ -176,7 +176,7 @@ def test_every_rank_decides_the_same_step(series, warmup):
 def test_the_summary_holds_the_interval_of_the_slowest_ranks_step_times():
     from builders import grid_records
 
-    from autotune.summary import summarize_trial
+    from autotune.core.summary import summarize_trial
 
     s = summarize_trial(grid_records(steps=13))  # 1 warm-up + 12 measured steps, 4 ranks
     slowest = [max(1.0 + 0.01 * ((st * 7 + r) % 5) for r in range(4)) for st in range(1, 13)]
@@ -192,8 +192,8 @@ def test_the_progress_row_shows_the_interval_and_an_early_stop():
     from builders import healthy_summary
     from rich.console import Console
 
-    from autotune.display import ProgressDisplay
-    from autotune.space import TrialConfig
+    from autotune.core.space import TrialConfig
+    from autotune.tuning.display import ProgressDisplay
 
     console = Console(record=True, width=200)
     d = ProgressDisplay(console=console, budget=3)
@@ -214,11 +214,11 @@ def test_the_progress_row_shows_the_interval_and_an_early_stop():
 def test_the_tuner_passes_the_incumbent_only_to_new_configurations(tmp_path, source, measured_before, expect):
     from builders import ScriptedRunner
 
-    from autotune.proposers.base import Proposal
-    from autotune.space import TrialConfig
-    from autotune.study import Study
-    from autotune.trial_contract import Incumbent
-    from autotune.tuner import Tuner
+    from autotune.core.space import TrialConfig
+    from autotune.study.store import Study
+    from autotune.trials.contract import Incumbent
+    from autotune.tuning.proposers.base import Proposal
+    from autotune.tuning.tuner import Tuner
 
     study = Study.open(tmp_path / "st", create=True, meta={})
     try:

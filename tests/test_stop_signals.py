@@ -1,4 +1,4 @@
-"""autotune/stop_signals.py with real signals: a real process that gets SIGTERM or Ctrl-C
+"""autotune/tuning/stop_signals.py with real signals: a real process that gets SIGTERM or Ctrl-C
 cleans up, is not cut short by the signals that follow, and exits 143 or 130.
 
 `autotune run` (tuner.py) and `autotune watch` (usercmd/watch.py) both stop through this
@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parent.parent
 CHILD = textwrap.dedent("""
     import sys, time
     from pathlib import Path
-    from autotune.stop_signals import Stopped, stop_on_signals
+    from autotune.tuning.stop_signals import Stopped, stop_on_signals
 
     folder = Path(sys.argv[1])
     with stop_on_signals():
@@ -70,7 +70,7 @@ def test_a_stopped_process_cleans_up_uncut_and_exits_128_plus_the_signal(tmp_pat
 
 
 def test_the_handlers_from_before_come_back_after_the_block():
-    from autotune.stop_signals import STOP_SIGNALS, stop_on_signals
+    from autotune.tuning.stop_signals import STOP_SIGNALS, stop_on_signals
 
     before = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
     with stop_on_signals():

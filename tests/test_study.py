@@ -2,10 +2,10 @@ import sqlite3
 
 import pytest
 
-from autotune.errors import StudyError
-from autotune.fileio import write_atomic
-from autotune.space import TrialConfig
-from autotune.study import Study
+from autotune.core.errors import StudyError
+from autotune.core.fileio import write_atomic
+from autotune.core.space import TrialConfig
+from autotune.study.store import Study
 
 CFG = TrialConfig(micro_batch_size=2, gradient_accumulation_steps=4, reduce_bucket_size=10**5)
 

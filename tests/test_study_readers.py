@@ -1,5 +1,5 @@
 """Reading a study: the one read-only opener (while a live controller holds it) and the one
-derivation of its results (`autotune.study_results`), against summary.json, report.md and the page."""
+derivation of its results (`autotune.study.results`), against summary.json, report.md and the page."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ from statistics import fmean
 import pytest
 from html_study import CFGS, failed_trial, full_study, new_study, ok_trial
 
-from autotune.errors import StudyError
-from autotune.study import Study, open_study_readonly, stored_budget, stored_meta
-from autotune.study_outputs import render_markdown, write_outputs
-from autotune.study_results import read_results
+from autotune.core.errors import StudyError
+from autotune.study.outputs import render_markdown, write_outputs
+from autotune.study.results import read_results
+from autotune.study.store import Study, open_study_readonly, stored_budget, stored_meta
 from autotune.usercmd.job import META_KEY, stored_job
 
 JOB = {"argv": ["deepspeed", "train.py", "--deepspeed_config", "ds.json"], "cwd": "/work", "parameters": 1234}
@@ -27,8 +27,8 @@ JOB = {"argv": ["deepspeed", "train.py", "--deepspeed_config", "ds.json"], "cwd"
 # until the test says "commit"; the process exits (closing the study) at the end of its input.
 WRITER = textwrap.dedent("""
     import sys
-    from autotune.space import TrialConfig
-    from autotune.study import Study
+    from autotune.core.space import TrialConfig
+    from autotune.study.store import Study
 
     s = Study.open(sys.argv[1], create=True, meta={"budget": 3, "user_command": %r})
     t = s.start_trial(0, TrialConfig(micro_batch_size=2, gradient_accumulation_steps=4), "baseline", "")

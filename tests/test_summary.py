@@ -5,7 +5,7 @@ import math
 import pytest
 from builders import SMALL_STEP, record
 
-from autotune.summary import fluctuation, ideal_bubble_fraction, summarize, summarize_trial
+from autotune.core.summary import fluctuation, ideal_bubble_fraction, summarize, summarize_trial
 
 
 def rec(**kw):
@@ -117,7 +117,7 @@ def test_summarize_groups_trials_and_drops_warmup_only_trials():
 
 
 def test_roundtrip_dict():
-    from autotune.summary import TrialSummary
+    from autotune.core.summary import TrialSummary
 
     s = two_rank_trial()
     again = TrialSummary.from_dict(s.to_dict())

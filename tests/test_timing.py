@@ -4,8 +4,8 @@ import time
 
 import pytest
 
-from autotune.instrument import INSTRUCTION_CATEGORY
-from autotune.timing import CudaEventTimer, HostTimer, make_timer
+from autotune.rank.instrument import INSTRUCTION_CATEGORY
+from autotune.rank.timing import CudaEventTimer, HostTimer, make_timer
 
 
 def test_host_timer_accumulates_per_category_and_resets():
@@ -63,7 +63,7 @@ def test_cuda_event_timer_reads_event_pairs_once_per_step():
 
 
 def test_cuda_event_timer_keeps_the_asked_categories_intervals_one_by_one():
-    """The point-to-point split (autotune/p2p_split.py) needs each send's and receive's time, on a
+    """The point-to-point split (autotune/rank/p2p_split.py) needs each send's and receive's time, on a
     GPU from the events as well."""
     t = CudaEventTimer(torch=FakeTorch, each=frozenset({"p2p:SendGrad"}))
     FakeEvent.clock = 0.0

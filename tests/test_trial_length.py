@@ -1,4 +1,4 @@
-"""Adaptive trial length with real ranks (autotune/step_budget.py in autotune/workload/train.py):
+"""Adaptive trial length with real ranks (autotune/core/step_budget.py in autotune/rank/workload/train.py):
 every rank runs the same number of steps, the interval is stored, a hopeless trial stops early."""
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ import pytest
 from builders import run_trial
 from robust_helpers import FAST_CONFIG
 
-from autotune.dsconfig import DsConfig
-from autotune.options import WorkloadOptions
-from autotune.space import TrialConfig
-from autotune.step_budget import HOPELESS, RECORD_NAME
-from autotune.trial import builtin_runner
+from autotune.core.dsconfig import DsConfig
+from autotune.core.options import WorkloadOptions
+from autotune.core.space import TrialConfig
+from autotune.core.step_budget import HOPELESS, RECORD_NAME
+from autotune.trials.builtin import builtin_runner
 
 pytestmark = pytest.mark.slow
 
@@ -81,12 +81,12 @@ def test_fixed_steps_run_exactly_the_count_with_an_incumbent(tmp_path):
 
 
 def test_a_users_script_stops_at_the_same_step_on_every_rank_when_hopeless(tmp_path, monkeypatch):
-    """The bootstrap hook (autotune/usercmd/hook.py) applies the same rule to the user's own loop."""
+    """The bootstrap hook (autotune/rank/hook.py) applies the same rule to the user's own loop."""
     import os
     import sys
 
+    from autotune.trials.user_command import UserCommandRunner
     from autotune.usercmd.command import parse_command
-    from autotune.usercmd.runner import UserCommandRunner
 
     repo = Path(__file__).resolve().parent.parent
     monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")

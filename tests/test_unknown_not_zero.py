@@ -22,13 +22,13 @@ from click.testing import CliRunner
 from launch_helpers import autotune_cli
 from prometheus_client import CollectorRegistry, generate_latest
 
-from autotune.cli import cli
+from autotune.cli.main import cli
+from autotune.core.schema import CSV_COLUMNS, StepRecord
+from autotune.core.summary import summarize_trial
 from autotune.loaders.metrics import load_summaries, read_records
-from autotune.metrics_csv import CsvSink
-from autotune.schema import CSV_COLUMNS, StepRecord
-from autotune.study import Study
-from autotune.summary import summarize_trial
-from autotune.token_input import token_seq_length
+from autotune.rank.metrics_csv import CsvSink
+from autotune.rank.token_input import token_seq_length
+from autotune.study.store import Study
 from exporters.prometheus_rank import RankExporter
 
 REPO = Path(__file__).resolve().parent.parent

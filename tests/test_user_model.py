@@ -51,7 +51,7 @@ def test_bad_model_paths_are_one_line_before_any_trial(tmp_path, path, needle):
 
 
 def test_the_example_model_is_tuned_in_warm_workers(tmp_path):
-    """Copied as `model.py` into the working directory: a name autotune/workload also has
+    """Copied as `model.py` into the working directory: a name autotune/rank/workload also has
     (the rank script's folder must not shadow the user's module)."""
     cfg = write_config(tmp_path)
     (tmp_path / "model.py").write_text((EXAMPLES / "my_pipeline.py").read_text())

@@ -1,4 +1,4 @@
-"""The ranks' start-up hook (autotune/usercmd/bootstrap): chained, inert outside a trial, patches
+"""The ranks' start-up hook (autotune/rank/bootstrap): chained, inert outside a trial, patches
 deepspeed.initialize when the script imports deepspeed. Real interpreters, no training."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 import autotune
-from autotune.rank_plan import RankPlan
-from autotune.usercmd.hook import ENV, BootstrapSettings
-from autotune.usercmd.runner import BOOTSTRAP_DIR, rank_env
+from autotune.core.rank_plan import RankPlan
+from autotune.rank.hook import ENV, BootstrapSettings
+from autotune.trials.user_command import BOOTSTRAP_DIR, rank_env
 
 PROBE = ("import sys, json; import deepspeed; "
          "print(json.dumps({'wrapped': getattr(deepspeed.initialize, '_autotune_wrapped', False), "

@@ -19,7 +19,7 @@ def job(tmp_path: Path, monkeypatch) -> Path:
 
 
 def test_cli_without_a_config_in_the_command_is_exit_2_before_any_trial(job):
-    from autotune.cli import cli
+    from autotune.cli.main import cli
 
     result = CliRunner().invoke(cli, ["run", "--budget", "2", "--study", str(job / "st"), "--",
                                       "deepspeed", str(job / "train.py"), "--steps", "3"])
@@ -29,7 +29,7 @@ def test_cli_without_a_config_in_the_command_is_exit_2_before_any_trial(job):
 
 
 def test_cli_placeholder_without_config_option_is_exit_2(job):
-    from autotune.cli import cli
+    from autotune.cli.main import cli
 
     result = CliRunner().invoke(cli, ["run", "--study", str(job / "st"), "--", "deepspeed",
                                       str(job / "train.py"), "--ds-config", "{config}"])
@@ -39,7 +39,7 @@ def test_cli_placeholder_without_config_option_is_exit_2(job):
 
 
 def test_cli_config_that_cannot_be_parsed_is_exit_2(job):
-    from autotune.cli import cli
+    from autotune.cli.main import cli
 
     (job / "bad.json").write_text("{not json")
     result = CliRunner().invoke(cli, ["run", "--study", str(job / "st"), "--", "deepspeed",
@@ -53,7 +53,7 @@ def test_cli_config_that_cannot_be_parsed_is_exit_2(job):
 
 
 def test_cli_launcher_not_on_path_is_exit_2(job, monkeypatch):
-    from autotune.cli import cli
+    from autotune.cli.main import cli
 
     monkeypatch.setenv("PATH", str(job))
     result = CliRunner().invoke(cli, ["run", "--study", str(job / "st"), "--", "deepspeed",
@@ -66,8 +66,8 @@ def test_cli_launcher_not_on_path_is_exit_2(job, monkeypatch):
 def test_cli_command_for_a_study_of_the_built_in_workload_is_refused_and_the_study_kept(job):
     import sqlite3
 
-    from autotune.cli import cli
-    from autotune.study import Study
+    from autotune.cli.main import cli
+    from autotune.study.store import Study
 
     Study.open(job / "st", create=True, meta={"settings": {}}).close()
     before = (job / "st" / "study.db").read_bytes()
@@ -93,8 +93,8 @@ def _finished_user_study(job: Path, stored_facts: dict) -> tuple[Path, list[str]
 
     from html_study import CFGS, SPACE, ok_trial
 
-    from autotune.options import RunOptions
-    from autotune.study import Study
+    from autotune.core.options import RunOptions
+    from autotune.study.store import Study
     from autotune.usercmd.job import META_KEY
 
     (job / "ds.json").write_text(json.dumps({
@@ -123,7 +123,7 @@ def finished_run(request, tmp_path_factory):
     """`autotune run --study ST` on a finished user-command study: no trial runs, every output is
     written again. Returns (study folder, the run's output, what the reports must say)."""
     pytest.importorskip("matplotlib", reason="report.html: pip install 'autotune[report]'")
-    from autotune.cli import cli
+    from autotune.cli.main import cli
 
     folder = tmp_path_factory.mktemp("usercmd-outputs")
     (folder / "train.py").write_text("print('hi')\n")

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from launch_helpers import autotune_cli
 
-from autotune.launcher import free_port, remove_shm_buffers
+from autotune.trials.launcher import free_port, remove_shm_buffers
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parent.parent
@@ -100,7 +100,7 @@ def test_the_outputs_name_the_users_command_and_what_its_start_up_check_read(loa
 def test_the_scripts_sequence_length_is_read_from_its_token_input(loader_study):
     """pipeline_train.py feeds (2 x 32) token ids: its first stage reads 32 off the input; the last
     stage never sees the input and leaves the cells empty; the summary has the tokens."""
-    from autotune.metrics_csv import read_metrics_csv
+    from autotune.loaders.metrics import read_records as read_metrics_csv
 
     _, study, _, _ = loader_study
     for n in range(3):

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from autotune.errors import UserError
+from autotune.core.errors import UserError
 from autotune.usercmd.command import parse_command
 
 

@@ -15,7 +15,7 @@ from click.testing import CliRunner
 from prom_helpers import prometheus_server
 from robust_helpers import alive_under
 
-from autotune.launcher import free_port, shm_buffers
+from autotune.trials.launcher import free_port, shm_buffers
 from exporters.file_sd import read_targets
 
 REPO = Path(__file__).resolve().parent.parent
@@ -119,7 +119,7 @@ def job(tmp_path: Path, monkeypatch) -> Path:
     (["python", "{job}/train.py"], "is not one"),
 ])
 def test_bad_input_is_one_line_and_exit_2_and_starts_nothing(job, command, message):
-    from autotune.cli import cli
+    from autotune.cli.main import cli
 
     argv = [a.replace("{job}", str(job)) for a in command]
     result = CliRunner().invoke(cli, ["watch", "--out", str(job / "w"), "--", *argv])
@@ -135,7 +135,7 @@ def test_bad_input_is_one_line_and_exit_2_and_starts_nothing(job, command, messa
     (["--metrics-addr", "a b;rm -rf"], "--metrics-addr 'a b;rm -rf': use an IP address or a host name"),
 ])
 def test_bad_endpoint_options_are_refused_as_run_refuses_them(job, options, message):
-    from autotune.cli import cli
+    from autotune.cli.main import cli
 
     command = ["deepspeed", str(job / "train.py"), "--deepspeed_config", str(job / "ds.json")]
     result = CliRunner().invoke(cli, ["watch", "--out", str(job / "w"), *options, "--", *command])

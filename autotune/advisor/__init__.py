@@ -1,6 +1,6 @@
 """The rule engine behind `autotune advise` and `autotune check`.
 
-It knows nothing of the tuner: `autotune.proposers.rule_moves` turns its findings
+It knows nothing of the tuner: `autotune.tuning.proposers.rule_moves` turns its findings
 into proposals for the hybrid proposer.
 """
 

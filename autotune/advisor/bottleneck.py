@@ -3,7 +3,7 @@
 The partition is a model-level setting (`PipelineModule(partition_method=...)` in the
 user's code), not a ds_config key, so these changes are advice: they name the method
 to try, how much work to move off the bottleneck stage and, where per-layer cost files
-lie beside the metrics, the parts `autotune.partition` proposes, or the `type:` regex over
+lie beside the metrics, the parts `autotune.core.partition` proposes, or the `type:` regex over
 the model's own layer classes that builds them. Where the layers are not known, they say
 what to run to learn them, never a placeholder.
 """
@@ -21,9 +21,9 @@ from autotune.advisor.signals import SignalSet
 BUILTIN_METHODS = ("parameters", "uniform")
 DEEPSPEED_DEFAULT_METHOD = "parameters"
 NOT_A_CONFIG_KEY = "a PipelineModule(partition_method=...) argument in your model code, not a ds_config key"
-LAYER_COST_GLOB = "layer-costs-rank*.csv"  # autotune.layer_costs.FILE_GLOB (that module imports the probe's timer)
+LAYER_COST_GLOB = "layer-costs-rank*.csv"  # autotune.rank.layer_costs.FILE_GLOB (that module imports the probe's timer)
 """Per-layer forward/backward times, one file per rank, beside the metrics CSVs."""
-ENGINE_MARKER_GLOB = "engine-rank*.json"  # autotune.usercmd.hook.marker_path(trial_dir, "engine", rank)
+ENGINE_MARKER_GLOB = "engine-rank*.json"  # autotune.rank.hook.marker_path(trial_dir, "engine", rank)
 """What the bootstrap read from a user's engine, beside a trial's metrics: `layers` holds the class
 of every layer of the PipelineModule, as DeepSpeed's `type:` method reads it."""
 MEASURE = "autotune run --balance-stages -- deepspeed ... (the job's own command)"
@@ -118,7 +118,7 @@ def layer_cost_files(s: SignalSet) -> list[Path]:
 
 
 def measured_parts(s: SignalSet) -> Change | None:
-    """The parts `autotune.partition` computes from the per-layer cost files beside the metrics.
+    """The parts `autotune.core.partition` computes from the per-layer cost files beside the metrics.
 
     None where there are no such files, or where the measured partition is already the best.
     No memory limit applies here (advise does not know the device's size): `autotune run`
@@ -128,8 +128,8 @@ def measured_parts(s: SignalSet) -> Change | None:
     if lc is None:
         return None
     files = layer_cost_files(s)
-    from autotune.errors import InputFileError, UserError
-    from autotune.partition import balanced_parts, describe_moves, imbalance, stage_times
+    from autotune.core.errors import InputFileError, UserError
+    from autotune.core.partition import balanced_parts, describe_moves, imbalance, stage_times
 
     try:
         new = balanced_parts(lc.costs, lc.stages, stage_fixed=lc.stage_fixed_seconds)
@@ -184,8 +184,8 @@ def _read_layers(files: tuple[tuple[str, int], ...]) -> tuple[Any, list[str] | N
 
 
 def _read_costs(files: list[Path]) -> Any:
-    from autotune.errors import InputFileError, UserError
-    from autotune.layer_costs import read_layer_costs
+    from autotune.core.errors import InputFileError, UserError
+    from autotune.rank.layer_costs import read_layer_costs
 
     try:
         return read_layer_costs(files)
@@ -201,7 +201,7 @@ def _classes(names: list[str]) -> str:
 def _typed(lc: Any) -> tuple[list[int], tuple[str, list[int]] | None, bool]:
     """(the balanced parts, the best type: method over the layers' classes, whether it is
     predicted within 2 % of the balanced parts' slowest stage)."""
-    from autotune.partition import balanced_parts, best_type_method, stage_times
+    from autotune.core.partition import balanced_parts, best_type_method, stage_times
 
     fixed = lc.stage_fixed_seconds
     best = balanced_parts(lc.costs, lc.stages, stage_fixed=fixed)
@@ -213,16 +213,16 @@ def _typed(lc: Any) -> tuple[list[int], tuple[str, list[int]] | None, bool]:
 
 TYPE_TOLERANCE = 0.02
 """A type: method is named when its parts are predicted within this of the balanced parts'
-slowest stage (autotune.balance.builtin_equivalent's tolerance)."""
+slowest stage (autotune.tuning.balance.builtin_equivalent's tolerance)."""
 NO_GAIN = 0.05
 """Where the balanced parts are predicted no more than this faster than the measured partition,
-no partition is proposed (autotune.noise.NOISE_MARGIN x autotune.balance.GAIN_OF_NOISE, the gain a
+no partition is proposed (autotune.core.noise.NOISE_MARGIN x autotune.tuning.balance.GAIN_OF_NOISE, the gain a
 round needs)."""
 
 
 def _no_gain(lc: Any, best: list[int], lead: str) -> str | None:
     """The no-gain line where the measured partition is about as good as any (else None)."""
-    from autotune.partition import no_gain_text, stage_times
+    from autotune.core.partition import no_gain_text, stage_times
 
     fixed = lc.stage_fixed_seconds
     if max(stage_times(lc.costs, lc.parts, fixed)) > max(stage_times(lc.costs, best, fixed)) * (1 + NO_GAIN):
@@ -246,7 +246,7 @@ def type_partition(s: SignalSet, raw: dict[str, Any] | None) -> Change | None:
     the `type:` regex over the model's own classes that the measured layer costs say balances
     it, else the balanced parts; without layer costs, what to run to learn them. None where the
     measured costs say the stages are already balanced (the bubble comes from elsewhere)."""
-    from autotune.partition import imbalance, stage_times
+    from autotune.core.partition import imbalance, stage_times
 
     cur, where = current_method(s, raw)
     lc, names = _layers(s)

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 from autotune.advisor.signals import SignalSet, layout_values
 from autotune.advisor.targets import BUCKET_KEYS, byte_like, get_dotted
-from autotune.dsconfig import (
+from autotune.core.dsconfig import (
     DEEPSPEED_DEFAULT_BUCKET,
     PIPELINE_KEYS_READ,
     DsConfig,
     reduce_bucket_acts,
 )
-from autotune.errors import ConfigError
-from autotune.summary import ideal_bubble_fraction
+from autotune.core.errors import ConfigError
+from autotune.core.summary import ideal_bubble_fraction
 
 FP16_LOSS_SCALE_KEYS = ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
                         "consecutive_hysteresis", "min_loss_scale")

@@ -21,8 +21,8 @@ from autotune.advisor.findings import FIRED, INSUFFICIENT, Change, Evidence, Fin
 from autotune.advisor.rulebook import Rule, load_rules
 from autotune.advisor.signals import LAYOUT_SIGNALS, SignalSet, from_summary
 from autotune.advisor.targets import resolve
-from autotune.dsconfig import DsConfig
-from autotune.summary import TrialSummary, ideal_bubble_fraction
+from autotune.core.dsconfig import DsConfig
+from autotune.core.summary import TrialSummary, ideal_bubble_fraction
 
 
 @dataclass(kw_only=True, slots=True)

@@ -7,8 +7,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from autotune.advisor.findings import Change, Finding
-from autotune.dsconfig import DsConfig, reduce_bucket_acts
-from autotune.errors import ConfigError
+from autotune.core.dsconfig import DsConfig, reduce_bucket_acts
+from autotune.core.errors import ConfigError
 
 
 def patch_config(ds_config: DsConfig, findings: Sequence[Finding]) -> dict[str, Any]:

@@ -24,7 +24,7 @@ from autotune.advisor.conditions import (
     parse_condition,
 )
 from autotune.advisor.signals import ALL_SIGNALS
-from autotune.errors import InputFileError
+from autotune.core.errors import InputFileError
 
 BUILTIN_RULES = importlib.resources.files("autotune") / "data" / "builtin_rules.toml"
 """Shipped inside the package (wheel and sdist alike); `rules/builtin.toml` at the repository

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from autotune.summary import TrialSummary
+from autotune.core.summary import TrialSummary
 
 # Signals derived from measurements (metrics CSV, nvidia-smi, Prometheus export).
 METRIC_SIGNALS: frozenset[str] = frozenset({

@@ -13,7 +13,7 @@ from typing import Any
 from autotune.advisor.findings import Change
 from autotune.advisor.rulebook import Move
 from autotune.advisor.signals import SignalSet
-from autotune.space import round_bucket
+from autotune.core.space import round_bucket
 
 DEFAULT_BUBBLE_TARGET = 0.2
 BYTE_LIKE_UNIT = 1 << 20

@@ -16,10 +16,10 @@ from pathlib import Path
 import numpy as np
 
 from autotune.advisor.signals import SignalSet, from_summary
-from autotune.errors import InputFileError
+from autotune.core.errors import InputFileError
+from autotune.core.summary import TrialSummary
 from autotune.loaders.detect import METRICS, NVIDIA_SMI, PROMETHEUS, detect_format
 from autotune.loaders.inputs import InputGroup, resolve_inputs
-from autotune.summary import TrialSummary
 
 
 @dataclass(kw_only=True, slots=True)
@@ -78,8 +78,8 @@ def load_inputs(args: Sequence[str], *, stages: int | None = None) -> LoadedInpu
 
 
 def _summaries(g: InputGroup) -> list[TrialSummary]:
+    from autotune.core.summary import summarize_columns
     from autotune.loaders.metrics import read_columns, read_trial_columns
-    from autotune.summary import summarize_columns
 
     source = str(g.paths[0]) if len(g.paths) == 1 else g.name
     cols = read_columns(g.paths[0]) if len(g.paths) == 1 else read_trial_columns(list(g.paths))  # no copy for one

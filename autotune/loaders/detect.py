@@ -9,7 +9,7 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
-from autotune.errors import InputFileError
+from autotune.core.errors import InputFileError
 
 METRICS = "metrics"
 NVIDIA_SMI = "nvidia-smi"

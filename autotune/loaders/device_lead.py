@@ -21,7 +21,7 @@ from __future__ import annotations
 import statistics
 
 from autotune.advisor.signals import RankValue, SignalSet
-from autotune.errors import UserError
+from autotune.core.errors import UserError
 
 MIN_OTHERS_MEAN = 0.01
 """Floor of the others' mean in the ratio, so an idle peer does not make it infinite."""

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from autotune.errors import InputFileError, UserError
+from autotune.core.errors import InputFileError, UserError
 from autotune.loaders.detect import METRICS, NVIDIA_SMI, detect_format
 
 RANK_CSV = "metrics-rank*.csv"

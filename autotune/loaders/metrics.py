@@ -1,7 +1,7 @@
 """Our metrics CSV, read column-wise: the one reader, with the one validation.
 
 pandas' C parser reads the file; a file it refuses goes through the standard
-csv module, which names the bad line. `autotune.summary.summarize_columns`
+csv module, which names the bad line. `autotune.core.summary.summarize_columns`
 summarises what this returns; `read_records` gives StepRecords for the callers
 that want rows (the live exporter's tests, the report's per-step plots).
 """
@@ -15,16 +15,16 @@ from pathlib import Path
 
 import numpy as np
 
-from autotune.errors import InputFileError
-from autotune.loaders.detect import read_header
-from autotune.schema import (
+from autotune.core.errors import InputFileError
+from autotune.core.schema import (
     CSV_COLUMNS,
     REQUIRED_COLUMNS,
     TEXT_COLUMNS,
     StepRecord,
     record_from_values,
 )
-from autotune.summary import Columns, TrialSummary, summarize_columns
+from autotune.core.summary import Columns, TrialSummary, summarize_columns
+from autotune.loaders.detect import read_header
 
 NUMERIC_COLUMNS = tuple(c for c in CSV_COLUMNS if c not in TEXT_COLUMNS)
 NEEDED_COLUMNS = tuple(

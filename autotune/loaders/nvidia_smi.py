@@ -15,7 +15,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from autotune.advisor.signals import ALL_SIGNALS, RankValue, SignalSet
-from autotune.errors import InputFileError
+from autotune.core.errors import InputFileError
 from autotune.loaders.detect import read_rows
 from autotune.loaders.device_lead import add_device_lead
 

@@ -24,7 +24,7 @@ from autotune.advisor.signals import (
     RankValue,
     SignalSet,
 )
-from autotune.errors import InputFileError
+from autotune.core.errors import InputFileError
 from autotune.loaders.detect import read_rows
 
 NOTE = ("Prometheus export: signals come from the exported gauges; batch-layout rules need the "

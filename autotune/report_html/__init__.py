@@ -15,10 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from autotune.errors import AutotuneError, UserError
-from autotune.extras import EXTRAS, missing_modules, require
-from autotune.fileio import write_atomic
-from autotune.study import Study
+from autotune.core.errors import AutotuneError, UserError
+from autotune.core.extras import EXTRAS, missing_modules, require
+from autotune.core.fileio import write_atomic
+from autotune.study.store import Study
 
 REPORT_NAME = "report.html"
 FIGURES_DIR = "figures"
@@ -48,7 +48,7 @@ def write_study_report(study: Study, out_dir: Path | None = None) -> Written:
 def report_on_folder(root: str | Path, out_dir: str | Path | None = None) -> Written:
     """`autotune report`: open `root` read-only (refused unless a valid study), then write."""
     require("report")
-    from autotune.study import open_study_readonly
+    from autotune.study.store import open_study_readonly
 
     study = open_study_readonly(root)
     try:

@@ -14,16 +14,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from autotune import preload
-from autotune.extras import require
+from autotune.core.extras import require
+from autotune.core.space import fmt_bucket
 from autotune.report_html.gather import KNOB_LABELS, StepData, StudyReport
-from autotune.space import fmt_bucket
-from autotune.study import STATUS_FAILED, STATUS_OK
+from autotune.study.store import STATUS_FAILED, STATUS_OK
+from autotune.tuning import preload
 
 WIDTH, HEIGHT, DPI = 5.6, 3.4, 130
 SOURCE_COLORS = ["#4c72b0", "#dd8452", "#55a868", "#8172b3", "#937860", "#da8bc3", "#8c8c8c",
                  "#ccb974", "#64b5cd"]
-# Transfer and waiting apart (schema 2, autotune/p2p_split.py): a send that waits for a slow
+# Transfer and waiting apart (schema 2, autotune/rank/p2p_split.py): a send that waits for a slow
 # peer is drawn as waiting, not as communication.
 SPLIT = (("compute", "compute", "#4c72b0"), ("communication", "transfer (p2p, reductions)", "#dd8452"),
          ("waiting", "waiting for peers", "#c44e52"), ("data", "data loading", "#55a868"),
@@ -43,7 +43,7 @@ class Figure:
 
 def _plt() -> Any:
     require("report")
-    preload.wait()  # `autotune run` imports matplotlib in the background (autotune/preload.py)
+    preload.wait()  # `autotune run` imports matplotlib in the background (autotune/tuning/preload.py)
     import matplotlib
 
     matplotlib.use("Agg", force=True)

@@ -1,9 +1,9 @@
 """Everything the HTML report shows, gathered from a study or a metrics file, read-only.
 
 Nothing here draws or writes. A study folder is opened read-only by
-`autotune.study.open_study_readonly` (a folder that is not a valid study, or a study
+`autotune.study.store.open_study_readonly` (a folder that is not a valid study, or a study
 of another format, is refused with one line before anything is touched); its trials,
-baseline, best and speed-up are `autotune.study_results`'s, as summary.json's are.
+baseline, best and speed-up are `autotune.study.results`'s, as summary.json's are.
 Per-step data comes from each trial's `metrics-rank*.csv` through the project's own
 readers; what cannot be read becomes a sentence in `missing`.
 """
@@ -18,11 +18,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from autotune.errors import InputFileError
-from autotune.space import TrialConfig
-from autotune.study import STATUS_INTERRUPTED, STATUS_OK, STATUS_RUNNING, Study, TrialRow
-from autotune.study_results import StudyResults, read_results
-from autotune.summary import TrialSummary, ideal_bubble_fraction
+from autotune.core.errors import InputFileError
+from autotune.core.space import TrialConfig
+from autotune.core.summary import TrialSummary, ideal_bubble_fraction
+from autotune.study.results import StudyResults, read_results
+from autotune.study.store import STATUS_INTERRUPTED, STATUS_OK, STATUS_RUNNING, Study, TrialRow
 
 KNOB_LABELS = {
     "micro_batch_size": "micro-batch size",
@@ -84,7 +84,7 @@ class StudyReport:
     space: dict[str, Any]
     workload: dict[str, Any]
     results: StudyResults
-    """The trials, the counted ones, the baseline, the best and the speed-up (autotune/study_results.py)."""
+    """The trials, the counted ones, the baseline, the best and the speed-up (autotune/study/results.py)."""
     measurements: dict[tuple, list[float]]
     """Configuration key -> samples/s of every successful trial of it."""
     knobs: list[str]
@@ -158,9 +158,9 @@ def gather_study(study: Study) -> StudyReport:
     results = read_results(study, meta=lambda key: _meta_value(study, key))
     trials, baseline, best = list(results.trials), results.baseline, results.best
     measurements: dict[tuple, list[float]] = {}
-    from autotune.measurements import superseded
+    from autotune.study.measurements import superseded
 
-    stale = superseded(trials)  # partition and knob trials share a measured key (autotune/measurements.py)
+    stale = superseded(trials)  # partition and knob trials share a measured key (autotune/study/measurements.py)
     for t in trials:
         if t.status == STATUS_OK and t.samples_per_second and t.number not in stale:
             measurements.setdefault(t.config.key(), []).append(t.samples_per_second)

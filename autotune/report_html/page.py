@@ -14,10 +14,10 @@ from html import escape
 from typing import Any
 
 from autotune import __version__
+from autotune.core.space import TrialConfig, fmt_bucket
 from autotune.report_html.figures import Figure
 from autotune.report_html.gather import KNOB_LABELS, MetricsReport, StudyReport
-from autotune.space import TrialConfig, fmt_bucket
-from autotune.study import STATUS_OK
+from autotune.study.store import STATUS_OK
 
 CSS = """
 :root { color-scheme: light; --fg:#1f2328; --muted:#59636e; --line:#d1d9e0; --bg:#f6f8fa; --accent:#0969da; }

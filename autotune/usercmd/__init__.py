@@ -7,5 +7,5 @@
 - runner.py: run one trial (or the start-up shape probe) and classify it.
 - prepare.py: turn `autotune run` options with a command into a tunable study.
 
-Kept import-light: the ranks import autotune.usercmd.hook at interpreter start.
+Kept import-light: the ranks import autotune.rank.hook at interpreter start.
 """

@@ -30,7 +30,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from autotune.errors import UserError
+from autotune.core.errors import UserError
 
 PLACEHOLDER = "{config}"
 CONFIG_FLAGS = ("--deepspeed_config", "--deepscale_config")
@@ -110,8 +110,8 @@ class UserCommand:
                 self.script, *script_args]
 
     def cluster_options(self):
-        """The command's own DeepSpeed launcher options that place the ranks (autotune/multinode.py)."""
-        from autotune.multinode import LauncherOptions
+        """The command's own DeepSpeed launcher options that place the ranks (autotune/trials/multinode.py)."""
+        from autotune.core.options import LauncherOptions
 
         if self.launcher != DEEPSPEED:
             return LauncherOptions()
@@ -149,9 +149,9 @@ class UserCommand:
 
     def for_cluster(self, cluster) -> UserCommand:
         """The command as every trial on a multi-node `cluster` runs it: the master address and
-        `--no_ssh_check` added as autotune.multinode.cluster_args adds them for the built-in
+        `--no_ssh_check` added as autotune.trials.multinode.cluster_args adds them for the built-in
         workload (autotune checked the hosts the way pdsh connects)."""
-        from autotune.multinode import cluster_args
+        from autotune.trials.multinode import cluster_args
 
         extra = cluster_args(cluster)
         flags = tuple(a for a in ("--no_ssh_check",) if a in extra and a not in self.launcher_args)

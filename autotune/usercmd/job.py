@@ -29,13 +29,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from autotune.dsconfig import DsConfig, load_ds_config
-from autotune.errors import UserError
-from autotune.multinode import resolve_cluster
-from autotune.precision import check_precision
-from autotune.space import SearchSpace
+from autotune.core.dsconfig import DsConfig, load_ds_config
+from autotune.core.errors import UserError
+from autotune.core.space import SearchSpace
+from autotune.trials.multinode import resolve_cluster
+from autotune.trials.precision import check_precision
+from autotune.trials.user_command import PROBE_TIMEOUT, UserCommandRunner, probe_shape
 from autotune.usercmd.command import UserCommand, check_launcher_installed, parse_command
-from autotune.usercmd.runner import PROBE_TIMEOUT, UserCommandRunner, probe_shape
 
 META_KEY = "user_command"
 COMMAND_SHOWN = 160
@@ -74,7 +74,7 @@ class UserJob:
         command = with_autotune_launcher_options(self.command(), opts)
         parts = None
         if wl.partition_method.startswith("parts:"):  # the job's own method is overridden (docs/partition.md)
-            from autotune.partition import parse_parts
+            from autotune.core.partition import parse_parts
 
             parts = parse_parts(wl.partition_method[len("parts:"):])
         knobs = None
@@ -91,13 +91,13 @@ class UserJob:
 
     def space(self, opts: Any, base: DsConfig) -> SearchSpace:
         """The run's space with the user's model size bounding the bucket range (not a preset's)."""
-        from autotune.starting_point import build_space
+        from autotune.tuning.starting_point import build_space
 
         return build_space(opts, base, model_parameters=self.parameters)
 
-    # -- the rest of the workload contract (autotune/job_contract.py) -----------------------------
+    # -- the rest of the workload contract (autotune/tuning/job.py) -----------------------------
     def validate(self, opts: Any) -> None:
-        from autotune.validation import validate
+        from autotune.tuning.validation import validate
 
         validate(opts, built_in=False)  # the preset's limits do not apply to the user's model
 
@@ -114,7 +114,7 @@ class UserJob:
         steps: list[Any] = []
         command = self.command()
         if opts.workload.balance_stages:
-            from autotune.balance import StageBalancer
+            from autotune.tuning.balance import StageBalancer
 
             own = resolve_cluster(command.cluster_options(), None, check_hosts=False)
             steps.append(StageBalancer(root, note, method=None, noise=noise,
@@ -249,7 +249,7 @@ def resumed_user_job(study: Any) -> UserJob | None:
 
 def stored_job(root: Path) -> UserJob | None:
     """A study's command, read-only (the study may be locked by nobody or by a live run)."""
-    from autotune.study import stored_meta
+    from autotune.study.store import stored_meta
 
     raw = stored_meta(root, META_KEY)
     return UserJob(**json.loads(raw)) if raw is not None else None

@@ -30,13 +30,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from autotune.errors import UserError
-from autotune.fileio import write_atomic
-from autotune.proposers.base import Proposal
-from autotune.trial_contract import TrialRequest
-from autotune.trial_kind import BASELINE, Step, TrialKind
-from autotune.trial_kind import KNOB_PREFIX as SOURCE_PREFIX
-from autotune.tuning_steps import TrialEnd
+from autotune.core.errors import UserError
+from autotune.core.fileio import write_atomic
+from autotune.core.trial_kind import BASELINE, Step, TrialKind
+from autotune.core.trial_kind import KNOB_PREFIX as SOURCE_PREFIX
+from autotune.trials.contract import TrialRequest
+from autotune.tuning.proposers.base import Proposal
+from autotune.tuning.steps import TrialEnd
 
 PLACE = "{value}"
 KNOWN = {"partition_method": ("parameters", "uniform"), "activation_checkpoint_interval": ("0", "1")}
@@ -104,7 +104,7 @@ def refuse_for_built_in(texts: tuple[str, ...] | list[str]) -> None:
 
     A precision knob gets its own answer: the built-in workload runs its trials in warm
     workers, which build every trial's engine in the same processes; DeepSpeed's engine
-    picks its precision's code paths per process (autotune/workers.py starts a new pool when
+    picks its precision's code paths per process (autotune/trials/warm_pool.py starts a new pool when
     the precision changes), so the precision is the study's, set in its starting config."""
     for text in texts:
         name = text.partition("=")[0].partition(":")[0].strip()
@@ -219,7 +219,7 @@ class KnobSweep:
     @property
     def deciding(self) -> bool:
         """Knob trials are queued or running: the baseline's key has no final measurement yet
-        (the tuner holds what it tells the proposer until then; autotune/balance.py `superseded`)."""
+        (the tuner holds what it tells the proposer until then; autotune/tuning/balance.py `superseded`)."""
         return bool(self.queue) or self.running is not None
 
     def replay(self, finished: Sequence[Any], redo: Sequence[Any], budget: int | None = None) -> None:

@@ -12,7 +12,7 @@ stopped. Meanwhile this process
   steps of each rank's CSV, and prints the findings when they change,
 - passes the job's exit code through; on SIGINT/SIGTERM stops the whole process
   group (ranks, launcher, endpoint children), removes DeepSpeed's /dev/shm
-  buffers and returns 128 + the signal (130 for Ctrl-C; autotune/stop_signals.py).
+  buffers and returns 128 + the signal (130 for Ctrl-C; autotune/tuning/stop_signals.py).
 
 Each watch writes a new folder OUT/run-NNN (nothing of an earlier watch is overwritten).
 """
@@ -26,22 +26,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from autotune.errors import InputFileError, UserError
-from autotune.fileio import write_atomic
-from autotune.launcher import LaunchSpec, free_port
-from autotune.multinode import resolve_cluster, stop_on_nodes
-from autotune.options import endpoint_defaults
-from autotune.rank_plan import RankPlan
-from autotune.stop_signals import (
+from autotune.core.errors import InputFileError, UserError
+from autotune.core.fileio import write_atomic
+from autotune.core.options import endpoint_defaults
+from autotune.core.rank_plan import RankPlan
+from autotune.rank.hook import MODE_WATCH, BootstrapSettings
+from autotune.trials.launcher import LaunchSpec, free_port
+from autotune.trials.multinode import resolve_cluster, stop_on_nodes
+from autotune.trials.user_command import CommandProcess, multi_node_command, rank_env, read_markers
+from autotune.tuning.stop_signals import (
     Stopped,
     default_stop_signals,
     ignore_stop_signals,
     stop_on_signals,
 )
+from autotune.tuning.validation import validate_endpoints
 from autotune.usercmd.command import UserCommand, check_launcher_installed, parse_command
-from autotune.usercmd.hook import MODE_WATCH, BootstrapSettings
-from autotune.usercmd.runner import CommandProcess, multi_node_command, rank_env, read_markers
-from autotune.validation import validate_endpoints
 
 RUN_PREFIX = "run-"
 _ENDPOINTS = endpoint_defaults()
@@ -50,14 +50,14 @@ POLL_SECONDS = 0.5
 
 @dataclass(kw_only=True, slots=True)
 class WatchOptions:
-    """What `autotune watch` is told (autotune/cli_watch.py)."""
+    """What `autotune watch` is told (autotune/cli/watch.py)."""
 
     out: str = "autotune-watch"
     """Folder of the watches; each one writes OUT/run-NNN."""
     config: str | None = None
     """The config, for a command that takes it through the {config} placeholder."""
     job: str = "autotune"
-    # The endpoint options are `autotune run`'s (autotune/options.py), defaults included.
+    # The endpoint options are `autotune run`'s (autotune/core/options.py), defaults included.
     metrics_port: int | None = _ENDPOINTS["metrics_port"]
     rank_metrics_port: int | None = _ENDPOINTS["rank_metrics_port"]
     metrics_addr: str = _ENDPOINTS["metrics_addr"]
@@ -147,8 +147,8 @@ def evaluate_run(run_dir: Path, *, window: int, ds_config: Any = None) -> tuple[
     """(fired findings, summary) over the last `window` complete rows of each rank's CSV;
     ([], None) while there is no measured step yet."""
     from autotune.advisor import evaluate
+    from autotune.core.summary import summarize_columns
     from autotune.loaders.metrics import read_trial_columns
-    from autotune.summary import summarize_columns
 
     files = sorted(run_dir.glob("metrics-rank*.csv"))
     if not files:
@@ -189,7 +189,7 @@ def _snapshot(src: Path, dst: Path, window: int) -> Path | None:
 def _load_config(path: Path) -> Any:
     """The user's config for the config rules; None where autotune's model of it refuses it
     (the job runs anyway: DeepSpeed is the judge of its own config)."""
-    from autotune.dsconfig import load_ds_config
+    from autotune.core.dsconfig import load_ds_config
 
     try:
         return load_ds_config(path)

@@ -1,0 +1,198 @@
+"""Typed view of the parts of a DeepSpeed config that autotune reads and writes.
+
+Parsed once at the edge (`load_ds_config` / `DsConfig.from_dict`); the rest
+of the code works on `DsConfig`. Unknown keys are kept verbatim so that a
+patched config round-trips everything the user wrote.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from autotune.core.errors import ConfigError
+
+DEEPSPEED_DEFAULT_BUCKET = 500_000_000
+"""reduce_bucket_size DeepSpeed uses when the config leaves it out (elements)."""
+
+# Keys of the `pipeline` section that DeepSpeed 0.19.8 actually reads.
+PIPELINE_KEYS_READ = frozenset(
+    {"pipe_partitioned", "grad_partitioned", "use_reentrant", "activation_checkpoint_interval"}
+)
+
+
+@dataclass(kw_only=True, slots=True)
+class BatchLayout:
+    """How the global batch splits: micro x GAS x dp == train_batch_size."""
+
+    micro_batch_size: int
+    gradient_accumulation_steps: int
+    data_parallel_size: int
+
+    @property
+    def train_batch_size(self) -> int:
+        return self.micro_batch_size * self.gradient_accumulation_steps * self.data_parallel_size
+
+
+@dataclass(kw_only=True, slots=True)
+class DsConfig:
+    """A DeepSpeed config with the tuned fields typed and everything else preserved."""
+
+    raw: dict[str, Any] = field(default_factory=dict)
+    """The config exactly as given (tuned fields are written back by `to_dict`)."""
+    train_batch_size: int | None = None
+    micro_batch_size: int | None = None
+    """`train_micro_batch_size_per_gpu`."""
+    gradient_accumulation_steps: int | None = None
+    zero_stage: int = 0
+    reduce_bucket_size: int | None = None
+    """`zero_optimization.reduce_bucket_size`, in elements (not bytes)."""
+
+    @classmethod
+    def from_dict(cls, raw: Any, *, source: str = "ds_config") -> DsConfig:
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{source}: a DeepSpeed config must be a JSON object, got {type(raw).__name__}")
+        zero = raw.get("zero_optimization", {}) or {}
+        if not isinstance(zero, dict):
+            raise ConfigError(f"{source}: zero_optimization must be an object")
+        return cls(
+            raw=copy.deepcopy(raw),
+            train_batch_size=_pos_int(raw, "train_batch_size", source),
+            micro_batch_size=_pos_int(raw, "train_micro_batch_size_per_gpu", source),
+            gradient_accumulation_steps=_pos_int(raw, "gradient_accumulation_steps", source),
+            zero_stage=_int_in(zero, "stage", source, lo=0, hi=3, default=0, prefix="zero_optimization."),
+            reduce_bucket_size=_pos_int(zero, "reduce_bucket_size", source, prefix="zero_optimization."),
+        )
+
+    def resolve_batch(self, data_parallel_size: int) -> BatchLayout:
+        """Fill in the missing one of train_batch / micro / GAS as DeepSpeed does, or explain why not."""
+        tb, mb, gas, dp = (
+            self.train_batch_size, self.micro_batch_size, self.gradient_accumulation_steps,
+            data_parallel_size,
+        )
+        if mb is None and gas is None and tb is None:
+            raise ConfigError(
+                "ds_config sets none of train_batch_size, train_micro_batch_size_per_gpu, "
+                "gradient_accumulation_steps; set at least train_micro_batch_size_per_gpu"
+            )
+        if mb is not None and gas is not None:
+            if tb is not None and tb != mb * gas * dp:
+                good = mb * gas * dp
+                raise ConfigError(
+                    f"train_batch_size {tb} != micro {mb} x GAS {gas} x dp {dp}; "
+                    f"use train_batch_size {good} or change micro/GAS"
+                )
+            return BatchLayout(micro_batch_size=mb, gradient_accumulation_steps=gas, data_parallel_size=dp)
+        if tb is None:
+            return BatchLayout(micro_batch_size=mb or 1, gradient_accumulation_steps=gas or 1,
+                               data_parallel_size=dp)
+        known = mb if mb is not None else gas
+        if known is None:
+            if tb % dp:
+                raise ConfigError(f"train_batch_size {tb} is not divisible by dp {dp}; use {tb // dp * dp or dp}")
+            return BatchLayout(micro_batch_size=tb // dp, gradient_accumulation_steps=1, data_parallel_size=dp)
+        if tb % (known * dp):
+            name = "micro" if mb is not None else "GAS"
+            raise ConfigError(
+                f"train_batch_size {tb} is not divisible by {name} {known} x dp {dp}; "
+                f"use train_batch_size {max(1, tb // (known * dp)) * known * dp}"
+            )
+        other = tb // (known * dp)
+        if mb is not None:
+            return BatchLayout(micro_batch_size=mb, gradient_accumulation_steps=other, data_parallel_size=dp)
+        return BatchLayout(micro_batch_size=other, gradient_accumulation_steps=gas or 1, data_parallel_size=dp)
+
+    def check_pipeline(self) -> None:
+        """Refuse what DeepSpeed refuses under pipeline parallelism, with the fix."""
+        if self.zero_stage >= 2:
+            raise ConfigError(
+                f"zero_optimization.stage {self.zero_stage} is refused by DeepSpeed with pipeline "
+                "parallelism; use stage 1 (ZeRO-1 shards optimizer state and works with pipelines)"
+            )
+
+    def with_trial(self, *, micro_batch_size: int, gradient_accumulation_steps: int,
+                   data_parallel_size: int, reduce_bucket_size: int | None,
+                   activation_checkpoint_interval: int = 0) -> DsConfig:
+        raw = copy.deepcopy(self.raw)
+        raw["train_micro_batch_size_per_gpu"] = micro_batch_size
+        raw["gradient_accumulation_steps"] = gradient_accumulation_steps
+        raw["train_batch_size"] = micro_batch_size * gradient_accumulation_steps * data_parallel_size
+        if reduce_bucket_size is not None:
+            raw.setdefault("zero_optimization", {})["reduce_bucket_size"] = int(reduce_bucket_size)
+        if activation_checkpoint_interval > 0:  # DeepSpeed's PipelineEngine sets it on the module
+            raw.setdefault("pipeline", {})["activation_checkpoint_interval"] = int(activation_checkpoint_interval)
+        return DsConfig.from_dict(raw)
+
+    @property
+    def activation_checkpoint_interval(self) -> int:
+        return checkpoint_interval(self.raw)
+
+    def to_dict(self) -> dict[str, Any]:
+        return copy.deepcopy(self.raw)
+
+
+def reduce_bucket_inert(zero_stage: int, data_parallel_size: int | None) -> str | None:
+    """Why `zero_optimization.reduce_bucket_size` cannot change a pipeline run's speed here,
+    or None where it acts: only with ZeRO-1 and dp > 1.
+
+    Under pipeline parallelism only ZeRO-1 buckets the data-parallel gradient reduction by
+    reduce_bucket_size; ZeRO-0 (and bf16 with the BF16 optimizer) reduces with a hard-coded
+    5e8-element bucket, and with dp = 1 there is no reduction to bucket (deepspeed-facts.md,
+    "Bucket sizes"). `data_parallel_size` None: not known, so the bucket may act. Memory is
+    another matter: ZeRO-1 allocates the bucket's buffer every step even with dp = 1
+    (advisor/config_rules.py, `config.zero1_bucket_buffer_bytes`).
+    """
+    if zero_stage != 1:
+        return "ZeRO-0 uses a fixed 5e8-element bucket"
+    if data_parallel_size is not None and data_parallel_size < 2:
+        return "dp = 1 has no gradient reduction"
+    return None
+
+
+def reduce_bucket_acts(zero_stage: int, data_parallel_size: int | None) -> bool:
+    """Whether reduce_bucket_size changes the run's speed: ZeRO-1 and dp > 1 (`reduce_bucket_inert`)."""
+    return reduce_bucket_inert(zero_stage, data_parallel_size) is None
+
+
+def checkpoint_interval(raw: dict) -> int:
+    """`pipeline.activation_checkpoint_interval` of a raw config as DeepSpeed reads it (0: the module's own)."""
+    pipeline = raw.get("pipeline")
+    v = pipeline.get("activation_checkpoint_interval", 0) if isinstance(pipeline, dict) else 0
+    return v if isinstance(v, int) and not isinstance(v, bool) else 0
+
+
+def _pos_int(d: dict, key: str, source: str, prefix: str = "") -> int | None:
+    if key not in d or d[key] is None or d[key] == "auto":
+        return None
+    v = d[key]
+    if (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
+            or v != int(v) or v < 1):
+        raise ConfigError(f"{source}: {prefix}{key} must be a positive integer, got {v!r}")
+    return int(v)
+
+
+def _int_in(d: dict, key: str, source: str, *, lo: int, hi: int, default: int, prefix: str = "") -> int:
+    v = d.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+        raise ConfigError(f"{source}: {prefix}{key} must be an integer {lo}-{hi}, got {v!r}")
+    return v
+
+
+def load_ds_config(path: str | Path) -> DsConfig:
+    """Read and parse a ds_config.json; every failure is a one-line ConfigError."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{p}: no such file; pass an existing ds_config.json") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{p}: cannot read ({exc.__class__.__name__}); pass a UTF-8 JSON file") from None
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{p}: not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})") from None
+    return DsConfig.from_dict(raw, source=str(p))

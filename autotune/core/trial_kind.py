@@ -1,0 +1,100 @@
+"""What a trial is for: its kind, a typed value read from the label a study stores.
+
+The study stores a trial's kind as text (its `source` column: `baseline`, `bayes`,
+`rule:<id>`, `partition-costs`, `knob:layers=4`, ...), the text the reports show. Code asks
+the typed value (`TrialKind.of(label)`) what the kind means instead of comparing strings:
+which step proposed it, whether it is the reference, whether it is measured in full, which
+knob value it runs. Every label the tuner writes is defined here, so that the store, the
+steps and the reports depend on this module and not on one another.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class Step(enum.Enum):
+    """Which part of the tuner proposed a trial."""
+
+    BASELINE = "baseline"
+    """The starting configuration, measured as the reference."""
+    SEARCH = "search"
+    """The proposer (Bayesian, rules, random, grid, ...), re-measurements included."""
+    PARTITION = "partition"
+    """The partition step (autotune/tuning/balance.py)."""
+    CHECKPOINT = "checkpoint"
+    """The checkpoint step (autotune/tuning/checkpoint_step.py)."""
+    KNOB = "knob"
+    """The knob sweep of the user's model settings (autotune/usercmd/knobs.py)."""
+
+
+BASELINE = "baseline"
+PARTITION = "partition"
+"""A partition round's candidate parts, hooks on."""
+PARTITION_COSTS = "partition-costs"
+"""The best trial's configuration again with the hooks on: the layer costs and the reference of a round."""
+PARTITION_RECHECK = "partition-recheck"
+"""The candidate again, when the round's pair lies within the noise margin."""
+PARTITION_REFERENCE = "partition-reference"
+"""The partition in force again, after the recheck (the pair in the order A B B A)."""
+PARTITION_LABELS = (PARTITION, PARTITION_COSTS, PARTITION_RECHECK, PARTITION_REFERENCE)
+CHECKPOINT = "checkpoint"
+"""An out-of-memory micro-batch again with activation checkpointing."""
+KNOB_PREFIX = "knob:"
+"""`knob:NAME=VALUE`: the baseline's layout with one of the user's model settings changed."""
+REMEASURE_LABELS = ("remeasure", "confirm", "recheck")
+"""The proposer's re-measurements of a configuration measured before."""
+
+
+@dataclass(frozen=True, slots=True)
+class TrialKind:
+    """A trial's kind; `label` is the text the study stores and the reports show."""
+
+    label: str
+
+    @classmethod
+    def of(cls, label: str) -> TrialKind:
+        return cls(str(label))
+
+    @classmethod
+    def knob(cls, name: str, value: str) -> TrialKind:
+        return cls(f"{KNOB_PREFIX}{name}={value}")
+
+    @property
+    def step(self) -> Step:
+        if self.label == BASELINE:
+            return Step.BASELINE
+        if self.label in PARTITION_LABELS:
+            return Step.PARTITION
+        if self.label == CHECKPOINT:
+            return Step.CHECKPOINT
+        if self.label.startswith(KNOB_PREFIX):
+            return Step.KNOB
+        return Step.SEARCH
+
+    @property
+    def is_baseline(self) -> bool:
+        return self.step is Step.BASELINE
+
+    @property
+    def measured_in_full(self) -> bool:
+        """Never stopped early: the reference and the proposer's re-measurements."""
+        return self.is_baseline or self.label in REMEASURE_LABELS
+
+    @property
+    def hooked(self) -> bool:
+        """Runs with the layer-cost hooks on when the partition step is on (each round's trials
+        cost the same to measure)."""
+        return self.is_baseline or self.step is Step.PARTITION
+
+    @property
+    def knob_setting(self) -> tuple[str, str] | None:
+        """(name, value) of a knob trial; None for any other kind."""
+        if self.step is not Step.KNOB:
+            return None
+        name, _, value = self.label[len(KNOB_PREFIX):].partition("=")
+        return name, value
+
+    def __str__(self) -> str:
+        return self.label

@@ -1,0 +1,269 @@
+"""Inside each rank of the user's job: wrap `deepspeed.initialize`, instrument what it returns, stop.
+
+Installed at interpreter start by bootstrap/sitecustomize.py, before the user's
+script runs, and only where the controller set AUTOTUNE_USERCMD. Nothing of
+the script is changed or copied: an import hook patches `deepspeed.initialize`
+the moment the script imports deepspeed.
+
+What a rank leaves in the trial folder (read by runner.py):
+- `engine-rankR.json` when `deepspeed.initialize` returned: the engine's class
+  and, for a PipelineEngine, stages, dp, micro-batch, GAS and its parameters;
+- `metrics-rankR.csv` from the probe (autotune.rank.instrument, as the built-in workload);
+- `done-rankR.json` when autotune ended the rank after the trial's steps;
+- `exit-rankR.json` when the script ended by itself before that.
+
+This module must import quickly and without torch: every rank imports it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import importlib.abc
+import importlib.util
+import json
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from autotune.core.rank_plan import JsonForm, RankPlan, plan_fields
+
+ENV = "AUTOTUNE_USERCMD"
+"""The controller's settings for the ranks, as JSON (BootstrapSettings)."""
+FILE_ENV = "AUTOTUNE_USERCMD_FILE"
+"""Or the path of a file holding them (multi-node: DeepSpeed's env file cannot carry JSON)."""
+EXIT_NOT_PIPELINE = 45
+"""A rank whose deepspeed.initialize returned no PipelineEngine exits with this."""
+MODE_TRIAL, MODE_PROBE, MODE_WATCH = "trial", "probe", "watch"
+
+
+@dataclass(kw_only=True, slots=True)
+class BootstrapSettings(JsonForm):
+    """What the controller tells every rank (one JSON environment variable, or a file): the
+    rank plan (autotune/core/rank_plan.py) and what the bootstrap does with the script."""
+
+    plan: RankPlan
+    mode: str = MODE_TRIAL
+    """`trial`: instrument and stop after warm-up + measured steps; `probe`: stop right
+    after deepspeed.initialize (the start-up check that reads the pipeline's shape);
+    `watch`: instrument and never stop (`autotune watch`: the job runs as long as it runs)."""
+
+    @property
+    def total_steps(self) -> int:
+        return self.plan.total_steps
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"plan": self.plan.to_dict(), "mode": self.mode}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> BootstrapSettings:
+        plan, rest = plan_fields(d)
+        return cls(plan=plan, **rest)
+
+    def to_env(self) -> str:
+        """The text of the environment variable (or of the file the nodes read)."""
+        return self.to_json()
+
+    @classmethod
+    def from_env(cls, text: str) -> BootstrapSettings:
+        return cls.from_json(text)
+
+
+def marker_path(trial_dir: str | Path, kind: str, rank: int) -> Path:
+    return Path(trial_dir) / f"{kind}-rank{rank}.json"
+
+
+def install(settings: BootstrapSettings) -> None:
+    """Patch deepspeed.initialize when the script imports deepspeed (or now, if it already has)."""
+    state = _RankState(settings)
+    if settings.mode != MODE_WATCH:
+        from autotune.rank.wiring import rank_watchdog
+
+        state.watchdog = rank_watchdog(settings.plan, state.rank)
+    if state.watchdog is not None:
+        state.watchdog.startup()  # from the interpreter's start: the script's imports, the op load, ...
+    if "deepspeed" in sys.modules:
+        _patch(sys.modules["deepspeed"], state)
+    else:
+        sys.meta_path.insert(0, _DeepSpeedFinder(state))
+    atexit.register(state.on_normal_exit)
+
+
+class _DeepSpeedFinder(importlib.abc.MetaPathFinder):
+    """Finds `deepspeed` the normal way, then patches it as soon as its __init__ has run."""
+
+    def __init__(self, state: _RankState) -> None:
+        self.state = state
+        self.busy = False
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None):
+        if fullname != "deepspeed" or self.busy:
+            return None
+        self.busy = True  # find_spec below asks the meta path again, us included
+        try:
+            spec = importlib.util.find_spec(fullname)
+        finally:
+            self.busy = False
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return None
+        loader, state = spec.loader, self.state
+        run_module = loader.exec_module
+
+        def exec_module(module: Any) -> None:
+            run_module(module)
+            _patch(module, state)
+
+        loader.exec_module = exec_module  # this loader instance loads only deepspeed/__init__.py
+        return spec
+
+
+def _patch(deepspeed: Any, state: _RankState) -> None:
+    from autotune.rank.wiring import force_parts
+
+    force_parts(state.settings.plan)  # before the script builds its PipelineModule
+    original = getattr(deepspeed, "initialize", None)
+    if original is None or getattr(original, "_autotune_wrapped", False):
+        return
+
+    @functools.wraps(original)
+    def initialize(*args: Any, **kwargs: Any) -> Any:
+        result = original(*args, **kwargs)
+        engine = result[0] if isinstance(result, tuple) else result
+        state.engine_built(engine)
+        return result
+
+    initialize._autotune_wrapped = True  # type: ignore[attr-defined]
+    deepspeed.initialize = initialize
+
+
+class _RankState:
+    """One rank's view: the engine autotune instruments, how many steps it has run."""
+
+    def __init__(self, settings: BootstrapSettings) -> None:
+        self.settings = settings
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.engine: Any = None
+        self.calls = 0
+        self.stopping = False
+        self.wiring: Any = None
+        """The probe, records and step budget (autotune/rank/wiring.py); None until the engine is
+        instrumented (its budget None in watch mode)."""
+        self.watchdog: Any = None
+        """This rank's stall watchdog (autotune/rank/watchdog.py); None in watch mode."""
+
+    def write_marker(self, kind: str, payload: dict[str, Any]) -> None:
+        path = marker_path(self.settings.plan.trial_dir, kind, self.rank)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"rank": self.rank, **payload}) + "\n", encoding="utf-8")
+        tmp.replace(path)  # the controller never reads half a marker
+
+    def engine_built(self, engine: Any) -> None:
+        if self.engine is not None:  # a second engine (e.g. a teacher model): the first is the one tuned
+            return
+        from deepspeed.runtime.pipe.engine import PipelineEngine
+
+        if not isinstance(engine, PipelineEngine):
+            name = type(engine).__name__
+            self.write_marker("engine", {"engine": name, "pipeline": False})
+            if self.settings.mode == MODE_WATCH:  # a watched job is never cut short: it runs unwatched
+                print(f"autotune: the script built a {name}, not a PipelineEngine; autotune instruments "
+                      "pipeline-parallel jobs; this rank runs on without metrics", file=sys.stderr, flush=True)
+                return
+            print(f"autotune: the script built a {name}, not a PipelineEngine; autotune tunes "
+                  "pipeline-parallel jobs; this rank stops here", file=sys.stderr, flush=True)
+            _flush_std()
+            os._exit(EXIT_NOT_PIPELINE)  # nothing of the script may run on (it would train for days)
+        self.engine = engine
+        self.write_marker("engine", {
+            "engine": type(engine).__name__, "pipeline": True, "stages": int(engine.num_stages),
+            "stage": int(engine.stage_id), "dp": int(engine.grid.data_parallel_size),
+            "dp_rank": int(engine.grid.get_data_parallel_rank()),
+            "micro_batch_size": int(engine.train_micro_batch_size_per_gpu()),
+            "gradient_accumulation_steps": int(engine.gradient_accumulation_steps()),
+            "parameters": int(sum(p.numel() for p in engine.module.parameters())),
+            "parts": [int(x) for x in getattr(engine.module, "parts", [])],  # the layers each stage got
+            "layers": layer_classes(engine.module),  # what a type:REGEX partition method matches
+            "partition_method": getattr(engine.module, "_autotune_partition_method", None),
+        })
+        if self.settings.mode == MODE_PROBE:
+            self.stop()
+        from autotune.rank.wiring import wire
+
+        watching = self.settings.mode == MODE_WATCH  # no step limit: the script's own loop decides
+        self.wiring = wire(engine, self.settings.plan, budget=not watching)
+        if watching:
+            return
+        measured, budget = engine.train_batch, self.wiring.budget  # the probe's timed train_batch
+
+        def train_batch(*args: Any, **kwargs: Any) -> Any:
+            loss = measured(*args, **kwargs)
+            self.calls += 1
+            if not budget.go_on():  # the same decision on every rank, at the same call
+                self.stop()
+            return loss
+
+        engine.train_batch = train_batch
+        self.wiring.watch_steps(engine, self.watchdog)  # outermost: the whole step, the budget's decision too
+
+    def stop(self) -> None:
+        """End the rank after the trial's last step: metrics flushed, peers at the same point.
+
+        The barrier first: every rank has finished the same step, so none leaves while a
+        peer still waits on it in a collective (that peer would hang or crash). Then
+        os._exit(0) rather than returning or sys.exit(): the script would go on training
+        for days, and a SystemExit would run its `finally:`/atexit code, which commonly
+        saves a checkpoint or evaluates. os._exit runs none of it, nor the process-group
+        teardown that can hang under gloo.
+        """
+        self.stopping = True
+        self.close_sinks()
+        if self.wiring is not None:
+            self.wiring.write_step_record(self.rank)
+        self.write_marker("done", {"train_batch_calls": self.calls})
+        _flush_std()
+        try:
+            import deepspeed.comm as dist
+
+            dist.barrier()
+        finally:
+            if self.watchdog is not None:
+                self.watchdog.stop()
+            _flush_std()
+            os._exit(0)
+
+    def close_sinks(self) -> None:
+        if self.wiring is not None:
+            self.wiring.close()
+
+    def on_normal_exit(self) -> None:
+        """The script ended by itself (its own --steps ran out) before the trial's steps."""
+        if self.engine is None or self.stopping:
+            return
+        self.close_sinks()
+        self.write_marker("exit", {"train_batch_calls": self.calls})
+
+
+def layer_classes(module: Any) -> list[str]:
+    """The class of each layer of a PipelineModule (all stages'), as DeepSpeed 0.19.8's `type:`
+    method reads it (`_find_layer_type`): a LayerSpec's typename, a module's class, a function's
+    name ("function" where it has none, as the layer-costs file names it)."""
+    out = []
+    for spec in getattr(module, "_layer_specs", None) or []:
+        typename = getattr(spec, "typename", None)
+        if isinstance(typename, type):
+            out.append(typename.__name__)
+        elif hasattr(spec, "register_forward_hook"):
+            out.append(type(spec).__name__)
+        else:
+            out.append(str(getattr(spec, "__name__", "function")))
+    return out
+
+
+def _flush_std() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass

@@ -1,0 +1,304 @@
+"""Per-rank instrumentation of a DeepSpeed PipelineEngine.
+
+Every pipeline instruction the engine executes is timed (the engine looks
+methods up in `_INSTRUCTION_MAP`; we shadow that map on the instance, so no
+DeepSpeed code is patched globally), and every `train_batch()` becomes one
+StepRecord handed to each sink (CSV file, Prometheus endpoint).
+
+DeepSpeed's `wall_clock_breakdown` is not used: it crashes pipeline runs
+(deepspeed-facts.md).
+
+For a production script, one line after `deepspeed.initialize`:
+
+    autotune.rank.instrument.instrument(engine, csv_path="metrics.csv", metrics_port=9400)
+"""
+
+from __future__ import annotations
+
+import math
+import resource
+import socket
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+from autotune.core.dsconfig import reduce_bucket_acts
+from autotune.core.schema import StepRecord
+from autotune.core.summary import busy_fraction
+from autotune.rank.p2p_split import P2P_INSTRUCTIONS, TransferSplit, p2p_category
+from autotune.rank.timing import CPU_SUFFIX, IntervalTimer, make_timer
+
+COMPUTE, OPTIMIZER, COMM, DATA = "compute", "optimizer", "comm", "data"
+
+# Instruction class name -> category. Names, not classes, so this module
+# imports without DeepSpeed.
+INSTRUCTION_CATEGORY: dict[str, str] = {
+    "ForwardPass": COMPUTE,
+    "BackwardPass": COMPUTE,
+    "OptimizerStep": OPTIMIZER,  # compute, kept apart: it runs outside the pipeline schedule
+    "SendActivation": p2p_category("SendActivation"),  # transfer + wait: autotune/rank/p2p_split.py
+    "SendGrad": p2p_category("SendGrad"),
+    "ReduceGrads": COMM,
+    "ReduceTiedGrads": COMM,
+    "RecvActivation": p2p_category("RecvActivation"),
+    "RecvGrad": p2p_category("RecvGrad"),
+    "LoadMicroBatch": DATA,
+}
+P2P_CATEGORIES = frozenset(p2p_category(name) for name in P2P_INSTRUCTIONS)
+
+
+class Sink(Protocol):
+    def write(self, record: StepRecord) -> None: ...
+
+
+class DeviceProbe(Protocol):
+    """What the probe asks of the device once per step (see exporters.devices)."""
+
+    def utilization(self, window: float) -> float | None: ...
+
+    def memory(self) -> dict[str, float] | None: ...
+
+
+class PipelineProbe:
+    """Times one engine's instructions and emits a StepRecord per train_batch()."""
+
+    def __init__(self, engine: Any, *, sinks: Sequence[Sink] = (), trial: int = -1,
+                 warmup_steps: int = 1, seq_length: int | None = None, device: DeviceProbe | None = None,
+                 timer: IntervalTimer | None = None,
+                 on_step: Callable[[StepRecord], None] | None = None) -> None:
+        self.engine = engine
+        self.sinks = list(sinks)
+        self.trial = trial
+        self.warmup_steps = warmup_steps
+        self.seq_length = seq_length or None
+        """Tokens per sample; None: not given, read from the first stage's input (autotune/rank/token_input.py)."""
+        self.device_type = engine.device.type if hasattr(engine, "device") else "cpu"
+        self.device = device
+        self.timer = timer or make_timer(self.device_type, P2P_CATEGORIES)
+        self.transfers = TransferSplit()
+        self.on_step = on_step
+        self.step = 0
+        self.host = socket.gethostname()
+        self._installed = False
+        self._previous_map: dict | None = None
+
+    # -- installation -------------------------------------------------------
+    def install(self) -> PipelineProbe:
+        if self._installed:
+            return self
+        eng = self.engine
+        timed = {}
+        # An instance map another tool already installed is kept underneath ours.
+        self._previous_map = eng.__dict__.get("_INSTRUCTION_MAP")
+        for instr_cls, fn in eng._INSTRUCTION_MAP.items():
+            category = INSTRUCTION_CATEGORY.get(instr_cls.__name__)
+            timed[instr_cls] = fn if category is None else self._wrap(fn, category)
+            if category == DATA and self.seq_length is None:  # a user's script: its input tells
+                from autotune.rank.token_input import measure_seq_length
+
+                timed[instr_cls] = measure_seq_length(timed[instr_cls], eng, self._found_seq_length)
+        eng._INSTRUCTION_MAP = timed  # instance attribute shadows the class map
+        inner = eng.train_batch
+
+        def train_batch(*args: Any, **kwargs: Any) -> Any:
+            return self._measured_step(inner, *args, **kwargs)
+
+        eng.train_batch = train_batch
+        self._inner_train_batch = inner
+        self._installed = True
+        return self
+
+    def _found_seq_length(self, length: int | None) -> None:
+        self.seq_length = length
+
+    def uninstall(self) -> None:
+        """Give the engine back its own instruction map and train_batch (overhead benchmark)."""
+        if not self._installed:
+            return
+        if self._previous_map is None:
+            del self.engine._INSTRUCTION_MAP
+        else:
+            self.engine._INSTRUCTION_MAP = self._previous_map
+        self.engine.train_batch = self._inner_train_batch
+        self._installed = False
+        self._previous_map = None
+
+    def _wrap(self, fn: Callable, category: str) -> Callable:
+        timer = self.timer
+
+        def timed(engine_self: Any, **kwargs: Any) -> Any:
+            token = timer.begin()
+            try:
+                return fn(engine_self, **kwargs)
+            finally:
+                timer.end(token, category)
+
+        return timed
+
+    # -- one step -----------------------------------------------------------
+    def _measured_step(self, inner: Callable, *args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        loss = inner(*args, **kwargs)
+        if self.device_type == "cuda":
+            import torch
+
+            torch.cuda.synchronize()
+        step_seconds = time.perf_counter() - t0
+        parts = self.timer.collect()
+        record = self._record(step_seconds, parts, loss)
+        self.step += 1
+        for sink in self.sinks:
+            sink.write(record)
+        if self.on_step is not None:
+            self.on_step(record)
+        return loss
+
+    def close_sinks(self) -> None:
+        """Flush and close every sink (the CSV fsyncs); one that fails does not keep the rest open."""
+        for sink in self.sinks:
+            try:
+                getattr(sink, "close", lambda: None)()
+            except Exception as exc:  # noqa: BLE001 - said, then the others still close
+                print(f"autotune: closing a metrics sink failed: {exc}", file=sys.stderr, flush=True)
+
+    def _record(self, step_seconds: float, parts: dict[str, float], loss: Any) -> StepRecord:
+        eng = self.engine
+        micro = int(eng.train_micro_batch_size_per_gpu())
+        gas = int(eng.gradient_accumulation_steps())
+        dp = int(eng.grid.data_parallel_size)
+        stages = int(eng.num_stages)
+        optimizer = parts.get(OPTIMIZER, 0.0)
+        compute = parts.get(COMPUTE, 0.0) + optimizer
+        transfer, wait = self.transfers.split(self.timer.intervals())
+        work = parts.get(COMPUTE + CPU_SUFFIX)  # CPU only: the forward/backward work in thread CPU time
+        samples_per_second = micro * gas * dp / step_seconds if step_seconds > 0 else 0.0
+        util = None
+        if self.device is not None:
+            util = self.device.utilization(step_seconds)
+        from_device = util is not None
+        if util is None:  # busy fraction: the documented CPU definition
+            util = busy_fraction(compute, step_seconds)
+        mem = self.device.memory() if self.device is not None else None
+        mem = mem or {}
+        peak = mem.get("peak_bytes")
+        if peak is None and self.device_type == "cpu":
+            peak = float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+        return StepRecord(
+            time=time.time(), trial=self.trial, rank=int(eng.global_rank), stage=int(eng.stage_id),
+            step=self.step, warmup=int(self.step < self.warmup_steps),
+            step_seconds=step_seconds, samples_per_second=samples_per_second,
+            tokens_per_second=samples_per_second * self.seq_length if self.seq_length else None,
+            compute_seconds=compute, comm_seconds=parts.get(COMM, 0.0) + transfer,
+            wait_seconds=wait, data_seconds=parts.get(DATA, 0.0),
+            device_utilization=util,
+            memory_allocated_bytes=mem.get("allocated_bytes"),
+            memory_reserved_bytes=mem.get("reserved_bytes"),
+            memory_fragmentation_ratio=mem.get("fragmentation_ratio"),
+            memory_inactive_split_bytes=mem.get("inactive_split_bytes"),
+            memory_peak_bytes=peak,
+            loss=_loss_value(eng, loss), loss_scale=_loss_scale(eng),
+            micro_batch_size=micro, gradient_accumulation_steps=gas,
+            reduce_bucket_size=_acting_bucket(eng, dp), pipeline_stages=stages,
+            data_parallel_size=dp, seq_length=self.seq_length,
+            device=str(eng.device) if hasattr(eng, "device") else "cpu", host=self.host,
+            optimizer_seconds=optimizer, utilization_from_device=int(from_device),
+            compute_cpu_seconds=work, memory_capacity_bytes=mem.get("capacity_bytes"),
+            p2p_seconds=transfer + wait, p2p_fastest_seconds=self.transfers.fastest_seconds(),
+        )
+
+
+def _loss_value(engine: Any, loss: Any) -> float | None:
+    """The loss lives on the last stage; other ranks report none."""
+    if loss is None or not engine.is_last_stage():
+        return None
+    value = float(loss.mean().item()) if hasattr(loss, "mean") else float(loss)
+    return value  # NaN/inf kept as-is: the trial runner classifies it
+
+
+def _loss_scale(engine: Any) -> float | None:
+    if not engine.fp16_enabled():
+        return None
+    scale = getattr(getattr(engine, "optimizer", None), "cur_scale", None)
+    return float(scale) if scale is not None and math.isfinite(float(scale)) else None
+
+
+def _acting_bucket(engine: Any, dp: int) -> int | None:
+    """The engine's reduce_bucket_size where it acts (ZeRO-1 and dp > 1), else None."""
+    if not reduce_bucket_acts(engine.zero_optimization_stage(), dp):
+        return None
+    return int(engine.zero_reduce_bucket_size())
+
+
+def instrument(engine: Any, *, csv_path: str | None = None, metrics_port: int | None = None,
+               metrics_addr: str = "127.0.0.1", trial: int = -1, job: str = "autotune",
+               warmup_steps: int = 1, seq_length: int | None = None, metrics_in_process: bool = False,
+               endpoint_file: str | bool = True) -> PipelineProbe:
+    """One-liner for any training script: time the engine, write a CSV and/or serve Prometheus.
+
+    `metrics_port` is the base port; each rank serves on base + local rank. The
+    endpoint runs in a child process fed through a pipe (exporters/sidecar.py), so
+    scrapes cost the training process no GIL time; `metrics_in_process=True`
+    serves from a thread of this process instead (no extra process).
+
+    `endpoint_file`: where the rank records the endpoint it actually bound (a taken
+    port falls back to another, exporters/file_sd.py); `{rank}` is replaced. True:
+    `endpoint-rank{rank}.json` beside the CSV, when there is one; False: nowhere.
+    """
+    import os
+
+    sinks: list[Sink] = []
+    if csv_path is not None:
+        from autotune.rank.metrics_csv import CsvSink
+
+        rank = int(os.environ.get("RANK", engine.global_rank))
+        path = csv_path.replace("{rank}", str(rank))
+        sinks.append(CsvSink(path))
+    device = engine_device_probe(engine)
+    if metrics_port is not None:
+        from exporters.prometheus_rank import start_rank_exporter
+        from exporters.sidecar import start_sidecar_exporter
+
+        # default: HTTP served by a child process, off this process's GIL
+        start = start_rank_exporter if metrics_in_process else start_sidecar_exporter
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        labels = {"job": job, "trial": str(trial), "rank": str(engine.global_rank),
+                  "stage": str(engine.stage_id), "device": str(engine.device), "host": socket.gethostname()}
+        exporter = start(addr=metrics_addr, port=metrics_port + local_rank, labels=labels)
+        if exporter is not None:
+            sinks.append(exporter)
+            _record_endpoint(exporter, endpoint_file, csv_path, labels)
+    return PipelineProbe(engine, sinks=sinks, trial=trial, warmup_steps=warmup_steps,
+                         seq_length=seq_length, device=device).install()
+
+
+def _record_endpoint(exporter: Any, endpoint_file: str | bool, csv_path: str | None,
+                     labels: dict[str, str]) -> None:
+    """Say where this rank serves, for the run's Prometheus targets file; never fails the rank."""
+    import os
+
+    if endpoint_file is True:
+        if csv_path is None:
+            return
+        endpoint_file = os.path.join(os.path.dirname(csv_path), "endpoint-rank{rank}.json")
+    if not endpoint_file:
+        return
+    url = getattr(exporter, "url", None) or getattr(getattr(exporter, "endpoint", None), "url", None)
+    if url is None:
+        return
+    from exporters.file_sd import write_rank_endpoint
+
+    try:
+        write_rank_endpoint(str(endpoint_file).replace("{rank}", labels["rank"]), url=url, labels=labels)
+    except OSError as exc:
+        print(f"autotune: cannot record this rank's metrics endpoint ({exc}); it serves on {url}",
+              file=sys.stderr, flush=True)
+
+
+def engine_device_probe(engine: Any) -> DeviceProbe | None:
+    """NVML + CUDA allocator on GPUs; None on CPU (busy fraction, no allocator)."""
+    if getattr(getattr(engine, "device", None), "type", "cpu") != "cuda":
+        return None
+    from exporters.devices import make_device_probe  # ships with autotune, in every install
+
+    return make_device_probe(engine.device)

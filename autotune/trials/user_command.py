@@ -1,0 +1,264 @@
+"""One trial of the user's own command: write its ds_config, launch the command, classify the end.
+
+The user-command runner of the trial contract (autotune/trials/contract.py: the tuner
+cannot tell it from the built-in workload's runners), with the same trial folder:
+ds_config.json, launcher.log, metrics-rankR.csv. The ranks are instrumented by the bootstrap (hook.py), whose
+marker files add three reasons to autotune.trials.judge.judge's classification:
+
+- `not_pipeline`: deepspeed.initialize returned a DeepSpeedEngine, not a PipelineEngine;
+- `no_engine`: the script exited 0 without ever calling deepspeed.initialize;
+- `ended_early`: the script returned by itself before the trial's warm-up + measured steps.
+
+Everything else (oom, killed, timeout, crash, no_metrics, ...) is judged as for the
+built-in workload.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from autotune.core.dsconfig import DEEPSPEED_DEFAULT_BUCKET, DsConfig
+from autotune.core.noise import NOISE_MARGIN
+from autotune.core.rank_plan import RankPlan
+from autotune.core.space import TrialConfig
+from autotune.rank.hook import ENV, FILE_ENV, MODE_PROBE, MODE_TRIAL, BootstrapSettings
+from autotune.rank.watchdog import StallLimits
+from autotune.trials.builtin import prepare_trial_dir
+from autotune.trials.contract import TrialRequest
+from autotune.trials.judge import TrialOutcome, failed, judge
+from autotune.trials.launcher import LaunchOutcome, LaunchSpec, TrialProcess, free_port, run_launch
+from autotune.trials.multinode import Cluster, node_env, resolve_cluster, stop_on_nodes
+from autotune.usercmd.command import UserCommand
+
+if TYPE_CHECKING:
+    from autotune.usercmd.knobs import Knob
+
+BOOTSTRAP_DIR = Path(__file__).resolve().parent.parent / "rank" / "bootstrap"
+PROBE_TIMEOUT = 900.0
+"""Seconds for the start-up shape probe (a first run may compile DeepSpeed's CPU ops)."""
+
+
+class CommandProcess(TrialProcess):
+    """TrialProcess (process group, timeout, clean-up, /dev/shm by port) running the user's command.
+
+    Only `start` differs: launcher.build_command writes autotune's own script and
+    `--no_local_rank`, and a user's script may need `--local_rank`.
+    """
+
+    def __init__(self, spec: LaunchSpec, command: UserCommand, ds_config: Path, cwd: Path, *,
+                 master_port: int | None = None) -> None:
+        super().__init__(spec)
+        self.command, self.ds_config, self.cwd = command, ds_config, cwd
+        self.own_port = master_port
+        """The job's own --master_port (`autotune watch` keeps it); None: a free port."""
+
+    def start(self) -> str | None:
+        env = self.launch_env(own_tools=False)  # the user's `deepspeed` is the one their PATH names
+        self.spec.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.master_port = self.own_port or free_port()
+        argv = self.command.argv_for(self.ds_config, self.master_port)
+        log = open(self.spec.log_path, "wb")
+        try:
+            self.proc = subprocess.Popen(argv, cwd=self.cwd, stdout=log, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+        except OSError as exc:
+            return f"cannot start the launcher {argv[0]!r}: {exc.strerror}"
+        finally:
+            log.close()
+        return None
+
+
+def rank_env(settings: BootstrapSettings) -> dict[str, str]:
+    """The bootstrap first on the ranks' path, and what it should do."""
+    path = os.environ.get("PYTHONPATH", "")
+    return {"PYTHONPATH": str(BOOTSTRAP_DIR) + (os.pathsep + path if path else ""),
+            ENV: settings.to_env()}
+
+
+def multi_node_command(command: UserCommand, settings: BootstrapSettings, run_dir: Path, spec: LaunchSpec,
+                       *, cwd: Path) -> tuple[UserCommand, Cluster | None]:
+    """A command that names several nodes: the settings go to the nodes' ranks by file and their
+    environment by DeepSpeed's env file (`spec.env` points at it); the cluster, else None."""
+    cluster = resolve_cluster(command.cluster_options(), None, check_hosts=False)  # checked before
+    if cluster is None or not cluster.multi_node:
+        return command, None
+    settings_file = run_dir / "bootstrap-settings.json"
+    settings_file.write_text(settings.to_env(), encoding="utf-8")
+    spec.env.update(node_env(run_dir, {FILE_ENV: str(settings_file)}, cwd=cwd, own_tools=False))
+    return command.for_cluster(cluster), cluster
+
+
+def launch(command: UserCommand, *, ds_config: Path, cwd: Path, run_dir: Path, settings: BootstrapSettings,
+           timeout: float, on_start: Callable[[TrialProcess], None] | None = None) -> LaunchOutcome:
+    spec = LaunchSpec(num_ranks=0, script_args=[], log_path=run_dir / "launcher.log", timeout=timeout,
+                      env=rank_env(settings), launcher=list(command.prefix))
+    command, cluster = multi_node_command(command, settings, run_dir, spec, cwd=cwd)
+
+    def stop_on_other_nodes(proc: TrialProcess) -> None:
+        if cluster is not None:  # ranks on the nodes are sshd's children, not in the launcher's group
+            stop_on_nodes(cluster, str(run_dir), master_port=proc.master_port)
+
+    return run_launch(CommandProcess(spec, command, ds_config, cwd), on_start=on_start,
+                      after_stop=stop_on_other_nodes)
+
+
+def read_markers(run_dir: Path, kind: str) -> list[dict]:
+    out = []
+    for p in sorted(run_dir.glob(f"{kind}-rank*.json")):
+        try:
+            out.append(json.loads(p.read_text(encoding="utf-8")))
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+def judge_user_trial(outcome: LaunchOutcome, run_dir: Path, timeout: float, *, steps_needed: int) -> TrialOutcome:
+    """The bootstrap's markers first (what only it can tell), then the built-in classification."""
+    wall = outcome.wall_seconds
+    if outcome.launch_error is not None:
+        return judge(outcome, run_dir, timeout)
+    engines = read_markers(run_dir, "engine")
+    other = next((e for e in engines if not e.get("pipeline")), None)
+    if other is not None:
+        return failed("not_pipeline", f"the script built a {other.get('engine', 'DeepSpeedEngine')}, not a "
+                                       "PipelineEngine; autotune tunes pipeline-parallel jobs", wall)
+    if outcome.timed_out and not engines:
+        return failed("timeout", f"no result within {timeout:.0f} s, and the script had not returned "
+                                  "from deepspeed.initialize; every rank was stopped", wall)
+    if not outcome.timed_out and outcome.returncode == 0:
+        if not engines:
+            return failed("no_engine", "the script exited without calling deepspeed.initialize", wall)
+        exits = read_markers(run_dir, "exit")
+        calls = min((int(e.get("train_batch_calls", 0)) for e in exits), default=0)
+        if exits and not read_markers(run_dir, "done") and calls < steps_needed:  # adaptive: the minimum counts
+            return failed("ended_early", f"the script returned after {calls} train_batch() call(s); a trial "
+                                          f"needs {steps_needed} (warm-up + measured steps): let it run "
+                                          "more steps (e.g. a larger --steps of its own)", wall)
+    return judge(outcome, run_dir, timeout)
+
+
+@dataclass(kw_only=True, slots=True)
+class PipelineShape:
+    """What the engine says about the job (measured, not asked of the user)."""
+
+    stages: int
+    data_parallel_size: int
+    micro_batch_size: int
+    gradient_accumulation_steps: int
+    parameters: int
+    """The whole model's parameters: each stage's counted once."""
+
+
+def probe_shape(command: UserCommand, *, ds_config: Path, cwd: Path, timeout: float = PROBE_TIMEOUT,
+                startup_timeout: float | None = None) -> tuple[PipelineShape | None, TrialOutcome | None, Path]:
+    """Start the job once, up to deepspeed.initialize, to read stages and dp from its engine.
+
+    Its ranks' start-up has the limit of a first trial (autotune/trials/limits.py): a start-up
+    that stalls is a `hang` within that, not the whole timeout.
+    Returns (shape, None, folder) or (None, the classified failure, folder with its log).
+    """
+    from autotune.trials.limits import STARTUP_BEFORE_MEASURED
+
+    run_dir = Path(tempfile.mkdtemp(prefix="autotune-probe-"))
+    stall = StallLimits(startup_seconds=startup_timeout or STARTUP_BEFORE_MEASURED)
+    settings = BootstrapSettings(mode=MODE_PROBE, plan=RankPlan(trial_dir=str(run_dir), limits=stall.to_dict()))
+    outcome = launch(command, ds_config=ds_config, cwd=cwd, run_dir=run_dir, settings=settings,
+                     timeout=timeout)
+    engines = read_markers(run_dir, "engine")
+    done = read_markers(run_dir, "done")
+    if outcome.returncode == 0 and not outcome.timed_out and engines and done:
+        first = engines[0]
+        per_stage = {e["stage"]: e["parameters"] for e in engines if e.get("pipeline")}
+        return PipelineShape(stages=first["stages"], data_parallel_size=first["dp"],
+                             micro_batch_size=first["micro_batch_size"],
+                             gradient_accumulation_steps=first["gradient_accumulation_steps"],
+                             parameters=sum(per_stage.values())), None, run_dir
+    failure = judge_user_trial(outcome, run_dir, timeout, steps_needed=0)
+    if failure.result.ok:  # exit 0 with metrics but no done marker: cannot happen in probe mode
+        failure = failed("crash", "the start-up check ended without reaching deepspeed.initialize", 0.0)
+    return None, failure, run_dir
+
+
+class UserCommandRunner:
+    """Runs trials of the user's command: the user-command runner of the trial contract
+    (autotune/trials/contract.py). Each trial launches the command as typed, with autotune's
+    ds_config in it, and its ranks instrumented by the bootstrap."""
+
+    def __init__(self, command: UserCommand, base_config: DsConfig, *, cwd: Path, data_parallel_size: int,
+                 steps: int, warmup_steps: int, job: str = "autotune", metrics_port: int | None = None,
+                 metrics_addr: str = "127.0.0.1", layer_costs: bool = False, parts: list[int] | None = None,
+                 step_length: tuple[bool, float, int] = (False, 0.03, 0), knobs: list[Knob] | None = None,
+                 cluster: Cluster | None = None) -> None:
+        self.command, self.base_config, self.cwd = command, base_config, cwd
+        self.data_parallel_size = data_parallel_size
+        self.steps, self.warmup_steps = steps, warmup_steps
+        self.job, self.metrics_port, self.metrics_addr = job, metrics_port, metrics_addr
+        self.layer_costs = layer_costs
+        """Time every layer of the job's PipelineModule (--layer-costs)."""
+        self.parts = parts
+        """Stage boundaries the job's PipelineModule is built with (--partition-method parts:...)."""
+        self.step_length = step_length
+        """(adaptive, precision, cap of measured steps): how long each trial measures (autotune/core/step_budget.py)."""
+        self.knobs: list[Knob] = list(knobs or [])
+        """The model settings mapped to the script's flags (--knob, usercmd/knobs.py)."""
+        self.cluster = cluster
+        """Where the ranks run when the command names nodes (resume clean-up reads it)."""
+
+    def begin_close(self) -> None:
+        """Nothing outlives a trial of the user's command."""
+
+    def close(self) -> None:
+        """Nothing outlives a trial of the user's command."""
+
+    def _is_unchanged(self, config: TrialConfig) -> bool:
+        """The user's own config would run exactly this: write it as it is."""
+        layout = self.base_config.resolve_batch(self.data_parallel_size)
+        own_bucket = self.base_config.reduce_bucket_size or DEEPSPEED_DEFAULT_BUCKET
+        return (config.micro_batch_size == layout.micro_batch_size
+                and config.gradient_accumulation_steps == layout.gradient_accumulation_steps
+                and config.reduce_bucket_size in (None, own_bucket))
+
+    def ds_config_for(self, config: TrialConfig) -> dict[str, Any]:
+        if self._is_unchanged(config):
+            return self.base_config.to_dict()
+        return self.base_config.with_trial(
+            micro_batch_size=config.micro_batch_size,
+            gradient_accumulation_steps=config.gradient_accumulation_steps,
+            data_parallel_size=self.data_parallel_size, reduce_bucket_size=config.reduce_bucket_size,
+        ).to_dict()
+
+    def settings_for(self, request: TrialRequest, trial_dir: Path) -> BootstrapSettings:
+        """What the trial's ranks are told (through the bootstrap's environment or file)."""
+        incumbent = request.incumbent
+        layer_costs = self.layer_costs if request.layer_costs is None else request.layer_costs
+        parts = self.parts if request.parts is None else request.parts
+        plan = RankPlan(trial_dir=str(trial_dir), trial=request.number, warmup_steps=self.warmup_steps,
+                        steps=self.steps, metrics_port=self.metrics_port, metrics_addr=self.metrics_addr,
+                        job=self.job, layer_costs=layer_costs, parts=parts, adaptive_steps=self.step_length[0],
+                        step_precision=self.step_length[1], max_steps=self.step_length[2],
+                        incumbent_samples_per_second=incumbent.samples_per_second if incumbent else None,
+                        noise=incumbent.noise if incumbent else NOISE_MARGIN,
+                        limits=request.stall.to_dict() if request.stall is not None else None)
+        return BootstrapSettings(mode=MODE_TRIAL, plan=plan)
+
+    def run(self, request: TrialRequest) -> TrialOutcome:
+        trial_dir, ds_path = prepare_trial_dir(
+            request.trial_dir, self.ds_config_for(request.config),
+            stale=("engine-rank*.json", "done-rank*.json", "exit-rank*.json"))
+        settings = self.settings_for(request, trial_dir)
+        command = self.command
+        if self.knobs:  # the script's own flags for the mapped model settings (usercmd/knobs.py)
+            from autotune.usercmd.knobs import TRIAL_FILE, apply_knobs
+
+            command = apply_knobs(command, request.knob_values, self.knobs)
+            (trial_dir / TRIAL_FILE).write_text(json.dumps(request.knob_values) + "\n", encoding="utf-8")
+        outcome = launch(command, ds_config=ds_path, cwd=self.cwd, run_dir=trial_dir,
+                         settings=settings, timeout=request.timeout, on_start=request.on_start)
+        return judge_user_trial(outcome, trial_dir, request.timeout, steps_needed=settings.total_steps)
