@@ -1,7 +1,7 @@
 """autotune/tuning/stop_signals.py with real signals: a real process that gets SIGTERM or Ctrl-C
 cleans up, is not cut short by the signals that follow, and exits 143 or 130.
 
-`autotune run` (tuner.py) and `autotune watch` (usercmd/watch.py) both stop through this
+`autotune run` (tuning/tuner.py) and `autotune watch` (usercmd/watch.py) both stop through this
 module; tests/test_resume.py and tests/test_watch.py send the signals to the whole commands.
 """
 

@@ -2,7 +2,7 @@
 speed-up, with the job and what the steps around the search recorded.
 
 `read_results(study)` reads them from one snapshot of the trial rows; `run`'s closing lines
-(cli.py), summary.json and report.md (study_outputs.py) and report.html
+(cli/main.py), summary.json and report.md (study/outputs.py) and report.html
 (report_html/gather.py) all show this one object. `StudyResults.to_dict()` is summary.json's
 content, a user-facing file: its keys and values do not change with this object's shape.
 """

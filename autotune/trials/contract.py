@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from autotune.core.space import TrialConfig
 from autotune.rank.watchdog import StallLimits
@@ -67,7 +67,7 @@ class Runner(Protocol):
     cluster: Cluster | None
     """The nodes the ranks run on (autotune/trials/multinode.py); None: this machine."""
 
-    def ds_config_for(self, config: TrialConfig) -> dict[str, Any]:
+    def ds_config_for(self, config: TrialConfig) -> dict[str, object]:
         """The ds_config.json a trial of `config` runs with (also the study's best config file)."""
         ...
 

@@ -3,9 +3,12 @@ the live metrics endpoints, and the study's output files."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import Protocol
 
+from autotune.core.space import TrialConfig
+from autotune.core.summary import TrialSummary
 from autotune.study.outputs import write_outputs
 from autotune.study.results import StudyResults, read_results
 from autotune.study.store import Study
@@ -54,10 +57,19 @@ class ProgressCallback:
         self._stop_spinner()
 
 
+class LiveEndpoints(Protocol):
+    """What the loop tells the run's live metrics (exporters/run_endpoints.py `RunEndpoints`)."""
+
+    def trial_started(self, trial: int, config: TrialConfig) -> None: ...
+
+    def trial_finished(self, trial: int, config: TrialConfig, status: str, samples_per_second: float,
+                       summary: TrialSummary | None = None, rules_fired: Iterable[str] = ()) -> None: ...
+
+
 class LiveMetricsCallback:
     """The run's live metrics (exporters/run_endpoints.py): which trial runs, how each ended."""
 
-    def __init__(self, endpoints: Any) -> None:
+    def __init__(self, endpoints: LiveEndpoints) -> None:
         self.endpoints = endpoints
 
     def trial_started(self, number: int, proposal: Proposal) -> None:

@@ -1,4 +1,4 @@
-"""SIGINT and SIGTERM as a clean stop, for `autotune run` (tuner.py) and `autotune watch` (usercmd/watch.py).
+"""SIGINT and SIGTERM as a clean stop, for `autotune run` (tuning/tuner.py) and `autotune watch` (usercmd/watch.py).
 
 Inside `stop_on_signals()` the first SIGINT or SIGTERM raises `Stopped`; the caller stops
 what runs (the trial's or the job's whole process group), cleans up, and returns

@@ -20,7 +20,6 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from autotune.core.errors import AutotuneError
 from autotune.core.faults import crash_point
@@ -182,10 +181,12 @@ class Tuner:
         if cluster is not None and cluster.multi_node:  # the other nodes' ranks, found by the same marker
             from autotune.trials.multinode import stop_on_nodes
 
-            for port in ports or {None}:
-                missed = stop_on_nodes(cluster, marker, master_port=port)
+            missed: set[str] = set()
+            found_ports: list[int | None] = [*sorted(ports)] or [None]  # no port known: by the marker alone
+            for port in found_ports:
+                missed.update(stop_on_nodes(cluster, marker, master_port=port))
             if missed:
-                self.note(f"could not reach {', '.join(missed)} to stop trial {t.number}'s ranks there")
+                self.note(f"could not reach {', '.join(sorted(missed))} to stop trial {t.number}'s ranks there")
         for port in ports:
             remove_shm_buffers(port)
 
@@ -319,7 +320,7 @@ def _failure_text(o: TrialOutcome) -> str | None:
     return o.result.failure_reason
 
 
-def dump_space(space: SearchSpace) -> dict[str, Any]:
+def dump_space(space: SearchSpace) -> dict[str, object]:
     return {"description": space.describe(), "micro_batch_sizes": space.micro_batch_sizes,
             "gas_values": space.gas_values, "global_batch": space.global_batch,
             "bucket_range": list(space.bucket_range) if space.bucket_range else None,
