@@ -101,18 +101,24 @@ class RecordingProposer(HybridProposer):
 
 
 def _tune(root, answers: dict[int, float | None], budget: int = 3, knobs: list[str] | None = None,
-          imbalances: dict[int, float] | None = None):
-    """A study run by the real loop: the partition step, or with `knobs` the knob sweep."""
+          imbalances: dict[int, float] | None = None, balance: bool | None = None):
+    """A study run by the real loop: the partition step, or with `knobs` the knob sweep (and with
+    `balance` as well the partition step before it, as one study runs both)."""
     from autotune.usercmd.knobs import KnobSweep, parse_knobs
 
     study = Study.open(root, create=not (root / "study.db").exists())
     runner = KnobRunner(answers) if knobs else AnsweringRunner(answers, imbalances)
+    if imbalances is not None:
+        runner.imbalances = imbalances
     proposer = RecordingProposer(_space())
-    step = (KnobSweep(parse_knobs(knobs), runner.command.script_args, study.root, lambda _: None) if knobs
-            else StageBalancer(study.root, lambda _: None, method=runner.workload.partition_method))
+    steps = []
+    if balance or (balance is None and not knobs):
+        steps.append(StageBalancer(study.root, lambda _: None, method=runner.workload.partition_method))
+    if knobs:
+        steps.append(KnobSweep(parse_knobs(knobs), runner.command.script_args, study.root, lambda _: None))
     try:
         result = Tuner(study=study, runner=runner, space=_space(), proposer=proposer, baseline=BASE,
-                       note=RecordingDisplay().note, budget=budget, steps=[step], stop_early=False).run()
+                       note=RecordingDisplay().note, budget=budget, steps=steps, stop_early=False).run()
         best = study.best()
     finally:
         study.close()
@@ -258,3 +264,22 @@ def test_failed_or_slower_knob_trials_leave_the_baseline_alone(tmp_path):
     summary, best, proposer, _ = _tune(tmp_path / "st", {0: 10.0, 1: None, 2: 8.0, 3: 9.5}, budget=4, knobs=KNOBS)
     assert best.number == 0 and best.samples_per_second == 10.0 and best.repeats == 1
     assert [(c, st, s) for c, st, s in proposer.told] == [(BASE, STATUS_OK, 10.0), (OTHER, STATUS_OK, 9.5)]
+
+
+def test_the_partition_step_and_the_knob_sweep_run_in_one_study(tmp_path):
+    """Both setting steps in the tuner's one list: the partition round first (from the baseline's
+    layer costs), then the knob trials at the baseline's layout with the kept parts, and only
+    then the proposer, which is told the baseline's key once, with the measurement that holds."""
+    answers = {0: 10.0, 1: 12.0, 2: 13.0, 3: 11.0, 4: 9.0, 5: 9.5}
+    summary, best, proposer, runner = _tune(tmp_path / "st", answers, budget=6, knobs=KNOBS, balance=True,
+                                            imbalances={0: 1.4})
+    rows = {t["trial"]: t for t in summary["trials"]}
+    kinds = [rows[n]["source"] for n in sorted(rows)]
+    assert kinds[:5] == ["baseline", "partition", "knob:partition_method=uniform",
+                         "knob:activation_checkpoint_interval=1", "explore"], kinds
+    assert runner.methods[1] == "parts:0,4,6" and runner.methods[2] == "parts:0,4,6"  # the kept parts
+    assert runner.seen[3] == {"partition_method": "uniform", "activation_checkpoint_interval": "1"}
+    assert json.loads((tmp_path / "st" / "partition.json").read_text())["decision"] == "kept"
+    assert json.loads((tmp_path / "st" / "knobs.json").read_text())["kept"]["partition_method"] == "uniform"
+    assert best.number == 2 and best.samples_per_second == 13.0
+    assert [c for c, _, _ in proposer.told][:1] == [BASE] and len([c for c, _, _ in proposer.told if c == BASE]) == 1
