@@ -79,7 +79,7 @@ def test_the_handlers_from_before_come_back_after_the_block():
 
 
 def test_run_and_watch_stop_through_the_one_module():
-    from autotune import stop_signals, tuner
+    from autotune.tuning import stop_signals, tuner
     from autotune.usercmd import watch
 
     assert tuner.Stopped is stop_signals.Stopped and watch.Stopped is stop_signals.Stopped
