@@ -97,6 +97,19 @@ class UserCommand:
     def uses_placeholder(self) -> bool:
         return self.config_at is None
 
+    def config_path(self, given: str | None, cwd: Path) -> Path:
+        """The job's DeepSpeed config, absolute: the one the command names, or `--config` where
+        the command takes it through {config}. Both, or neither: one line (`run` and `watch`)."""
+        if self.uses_placeholder:
+            if not given:
+                raise UserError("the command takes the config through {config}; give the config file "
+                                "with --config FILE")
+            return (cwd / given).resolve()
+        if given:
+            raise UserError(f"the command already names the config ({self.user_config}); drop --config "
+                            "or write {config} in the command")
+        return (cwd / str(self.user_config)).resolve()
+
     def argv_for(self, ds_config: str | Path, master_port: int) -> list[str]:
         """This trial's command: its config path in the config's place, its own master port."""
         script_args = list(self.script_args)

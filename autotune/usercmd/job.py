@@ -153,16 +153,7 @@ def prepare_user_job(opts: Any, argv: list[str], note: Callable[[str], None]) ->
     if cluster is not None:
         note(f"nodes: {cluster.describe()}" + (f" (multi-node through {cluster.options.launcher})"
                                                  if cluster.multi_node else ""))
-    if cmd.uses_placeholder:
-        if opts.config is None:
-            raise UserError("the command takes the config through {config}; give the starting config "
-                            "with --config FILE")
-        config = (cwd / opts.config).resolve()
-    else:
-        if opts.config is not None:
-            raise UserError(f"the command already names the config ({cmd.user_config}); drop --config "
-                            "or write {config} in the command")
-        config = (cwd / cmd.user_config).resolve()
+    config = cmd.config_path(opts.config, cwd)
     base = load_ds_config(config)  # missing or unparseable: one line, exit 2
     base.check_pipeline()
     check_precision(base)  # before starting the job: every trial would fail alike

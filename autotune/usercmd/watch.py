@@ -86,19 +86,11 @@ def prepare(argv: list[str], opts: WatchOptions, *, cwd: Path) -> PreparedWatch:
         raise UserError("no training command after `--`; write it as: autotune watch -- deepspeed "
                         "train.py --deepspeed_config ds_config.json")
     cmd = parse_command(argv, cwd=cwd)
-    if cmd.uses_placeholder:
-        if not opts.config:
-            raise UserError("the command takes the config through {config}; give the file with --config FILE")
-        config = Path(opts.config)
-    else:
-        if opts.config:
-            raise UserError("--config and --deepspeed_config both name a config; name it once")
-        config = Path(cmd.user_config)
-    path = config if config.is_absolute() else cwd / config
+    config = cmd.config_path(opts.config, cwd)  # the one rule `autotune run` follows too
     try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
+        raw = json.loads(config.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise UserError(f"DeepSpeed config {config} not found (relative to {cwd})") from None
+        raise UserError(f"DeepSpeed config {config} not found") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise UserError(f"DeepSpeed config {config}: cannot read ({exc.__class__.__name__})") from None
     except json.JSONDecodeError as exc:
