@@ -16,6 +16,7 @@ from typing import Any
 
 from autotune.core.extras import require
 from autotune.core.space import fmt_bucket
+from autotune.core.trial_kind import BASELINE
 from autotune.report_html.gather import KNOB_LABELS, StepData, StudyReport
 from autotune.study.store import STATUS_FAILED, STATUS_OK
 from autotune.tuning import preload
@@ -72,7 +73,7 @@ def _headroom(ax: Any, values: Sequence[float | None]) -> None:
 
 
 def _source_colors(sources: Sequence[str]) -> dict[str, str]:
-    order = ["baseline"] + sorted(set(sources) - {"baseline"})
+    order = [BASELINE] + sorted(set(sources) - {BASELINE})  # the reference keeps the first color
     return {s: SOURCE_COLORS[i % len(SOURCE_COLORS)] for i, s in enumerate(order)}
 
 
