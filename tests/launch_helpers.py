@@ -8,11 +8,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-from autotune.launcher import LaunchSpec, run_trial_process
-from autotune.metrics_csv import read_metrics_csv
-from autotune.options import WorkloadOptions
-from autotune.summary import TrialSummary, summarize_trial
-from autotune.workload.trial_spec import SPEC_NAME, TrialSpec
+from autotune.trials.launcher import LaunchSpec, run_trial_process
+from autotune.rank.metrics_csv import read_metrics_csv
+from autotune.core.options import WorkloadOptions
+from autotune.core.summary import TrialSummary, summarize_trial
+from autotune.rank.workload.trial_spec import SPEC_NAME, TrialSpec
 
 
 def autotune_cli(*args: str, cwd: Path, timeout: float = 900, env: dict | None = None):
@@ -26,7 +26,7 @@ def autotune_in_process(*args: str, cwd: Path, env: dict | None = None) -> subpr
     `autotune_cli` returns, without the start of a Python. Keep entry-point tests on `autotune_cli`."""
     from click.testing import CliRunner
 
-    from autotune.cli import cli
+    from autotune.cli.main import cli
 
     before = os.getcwd()
     os.chdir(cwd)

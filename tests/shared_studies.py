@@ -7,7 +7,7 @@ value (folders, exit code, output); a test that changes a study works on `copy_s
 - `builtin_study`: the built-in workload as the README runs it (2 stages x 2 dp, ZeRO-1, warm
   workers), budget 3, every trial healthy.
 - `fault_study`: the built-in workload on 2 ranks with a fault injected in most trials
-  (autotune/faults.py) and the checkpoint step after the out-of-memory one.
+  (autotune/core/faults.py) and the checkpoint step after the out-of-memory one.
 - `usercmd_study`: `autotune run -- deepspeed examples/pipeline_train.py ...`, the user's
   script unchanged, budget 3, with the layer-cost hooks and given parts.
 """
@@ -23,8 +23,8 @@ from pathlib import Path
 from launch_helpers import autotune_cli
 from robust_helpers import FAST, alive_under, write_config
 
-from autotune.launcher import processes_with
-from autotune.precision import probe_devices
+from autotune.trials.launcher import processes_with
+from autotune.trials.precision import probe_devices
 
 SHM = Path("/dev/shm")
 REPO = Path(__file__).resolve().parent.parent

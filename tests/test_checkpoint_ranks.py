@@ -1,4 +1,4 @@
-"""Activation checkpointing with real ranks (autotune/checkpoint_step.py): a checkpointed trial
+"""Activation checkpointing with real ranks (autotune/tuning/checkpoint_step.py): a checkpointed trial
 trains the same model to the same losses, and `autotune run` runs one after an out-of-memory
 trial. The step's decisions against an injected memory cliff are in tests/test_checkpoint_step.py."""
 
@@ -10,11 +10,11 @@ import pytest
 from robust_helpers import FAST_CONFIG
 from test_warm_workers import losses
 
-from autotune.dsconfig import DsConfig
-from autotune.options import WorkloadOptions
-from autotune.space import TrialConfig
-from autotune.study import Study
-from autotune.trial import TrialRunner
+from autotune.core.dsconfig import DsConfig
+from autotune.core.options import WorkloadOptions
+from autotune.core.space import TrialConfig
+from autotune.study.store import Study
+from autotune.trials.builtin import TrialRunner
 
 pytestmark = pytest.mark.slow
 

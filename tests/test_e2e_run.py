@@ -9,7 +9,7 @@ import sqlite3
 import pytest
 from launch_helpers import run_ranks
 
-from autotune.schema import CSV_COLUMNS, REQUIRED_COLUMNS
+from autotune.core.schema import CSV_COLUMNS, REQUIRED_COLUMNS
 
 pytestmark = pytest.mark.slow
 

@@ -11,11 +11,11 @@ import pytest
 from robust_helpers import alive_under, rows, write_config
 from shared_studies import FAULT_BUDGET, FAULTS, HAS_FP16, NO_FP16_REASON
 
-from autotune.dsconfig import DsConfig
-from autotune.launcher import group_alive
-from autotune.options import WorkloadOptions
-from autotune.space import TrialConfig
-from autotune.trial import TrialRunner
+from autotune.core.dsconfig import DsConfig
+from autotune.trials.launcher import group_alive
+from autotune.core.options import WorkloadOptions
+from autotune.core.space import TrialConfig
+from autotune.trials.builtin import TrialRunner
 
 pytestmark = pytest.mark.slow
 

@@ -79,7 +79,7 @@ def test_failed_only_page_in_chromium(tmp_path, browser):
 def test_advise_page_in_chromium(tmp_path, browser):
     from click.testing import CliRunner
 
-    from autotune.cli import cli
+    from autotune.cli.main import cli
 
     out = tmp_path / "advise.html"
     fixture = Path(__file__).parent / "fixtures" / "advise" / "h200-small-1stage.csv"

@@ -1,4 +1,4 @@
-"""Per-layer costs (autotune/layer_costs.py): the file format, and the truth on real runs.
+"""Per-layer costs (autotune/rank/layer_costs.py): the file format, and the truth on real runs.
 
 The slow tests inject a known per-layer cost (the workload's `slow_layer` hook makes one
 layer's forward take FACTOR times as long) and check that the measured layer costs name
@@ -16,10 +16,10 @@ from launch_helpers import autotune_cli, pipeline_config, run_ranks
 from robust_helpers import write_config
 from shared_studies import USER_PARTS
 
-from autotune.errors import InputFileError
-from autotune.layer_costs import COLUMNS, read_layer_costs, read_trial_layer_costs, rows_to_csv
-from autotune.partition import balanced_parts, stage_times
-from autotune.workload.presets import get_preset
+from autotune.core.errors import InputFileError
+from autotune.rank.layer_costs import COLUMNS, read_layer_costs, read_trial_layer_costs, rows_to_csv
+from autotune.core.partition import balanced_parts, stage_times
+from autotune.rank.workload.presets import get_preset
 
 FACTOR = 20
 """Large against a tiny layer's few milliseconds, so a shared machine's preemptions cannot hide it."""

@@ -1,4 +1,4 @@
-"""Trials through DeepSpeed's own multi-node launchers (autotune/multinode.py).
+"""Trials through DeepSpeed's own multi-node launchers (autotune/trials/multinode.py).
 
 The checks before the first trial are tested in-process; the real runs go through DeepSpeed's
 hostfile path on this machine, and through its pdsh runner to "two nodes" that are both this
@@ -22,9 +22,9 @@ import ssh_cluster
 from launch_helpers import autotune_in_process
 from robust_helpers import alive_under, rows, start_cli, write_config
 
-from autotune.errors import UserError
-from autotune.launcher import processes_with
-from autotune.multinode import (
+from autotune.core.errors import UserError
+from autotune.trials.launcher import processes_with
+from autotune.trials.multinode import (
     ENV_FILE_NAME,
     LauncherOptions,
     cluster_args,
@@ -187,7 +187,7 @@ def test_the_cli_refuses_a_one_host_hostfile_of_another_machine_before_any_study
 
 def test_slurm_needs_an_allocation_with_enough_tasks(tmp_path, monkeypatch):
     """DeepSpeed's slurm runner runs `srun -n WORLD` for every trial: checked once, before any."""
-    import autotune.multinode as mn
+    import autotune.trials.multinode as mn
 
     hf = _hostfile(tmp_path, "node-a slots=2\nnode-b slots=2\n")
     real_which = mn.shutil.which

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from launch_helpers import autotune_in_process
 
-from autotune.study import Study
+from autotune.study.store import Study
 from autotune.usercmd.knobs import is_precision
 
 ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}

@@ -7,11 +7,11 @@ import re
 import pytest
 from launch_helpers import pipeline_config, run_ranks
 
-from autotune.dsconfig import DsConfig
-from autotune.options import WorkloadOptions
-from autotune.space import TrialConfig
-from autotune.summary import summarize_trial
-from autotune.trial import TrialRunner
+from autotune.core.dsconfig import DsConfig
+from autotune.core.options import WorkloadOptions
+from autotune.core.space import TrialConfig
+from autotune.core.summary import summarize_trial
+from autotune.trials.builtin import TrialRunner
 from benchmarks.p2p_split_truth import figures
 
 pytestmark = pytest.mark.slow
@@ -65,7 +65,7 @@ def test_balanced_bubble_tracks_the_ideal(tmp_path):
     8 layers (the default balances parameters, which leaves stage 0 ~15 % heavier on
     the small preset and adds that imbalance to the bubble at m = 8).
     """
-    # One pool of warm workers for the three trials (autotune/workers.py): what a study measures.
+    # One pool of warm workers for the three trials (autotune/trials/warm_pool.py): what a study measures.
     wl = WorkloadOptions(preset="small", data_parallel_size=1, steps=6, warmup_steps=1, partition_method="uniform")
     runner = TrialRunner(wl, DsConfig.from_dict(pipeline_config(4, 1)))
     measured = {}

@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from launch_helpers import autotune_cli
 from robust_helpers import FAST, alive_under, rows, write_config
 
-from autotune.cli import cli
+from autotune.cli.main import cli
 
 pytestmark = pytest.mark.slow
 
@@ -76,7 +76,7 @@ def test_a_bad_model_path_through_the_entry_point(tmp_path):
 
 
 def test_the_example_model_is_tuned_in_warm_workers(tmp_path):
-    """Copied as `model.py` into the working directory: a name autotune/workload also has
+    """Copied as `model.py` into the working directory: a name autotune/rank/workload also has
     (the rank script's folder must not shadow the user's module)."""
     cfg = write_config(tmp_path)
     (tmp_path / "model.py").write_text((EXAMPLES / "my_pipeline.py").read_text())

@@ -13,7 +13,7 @@ import pytest
 from launch_helpers import autotune_cli
 from shared_studies import copy_study
 
-from autotune.launcher import free_port, remove_shm_buffers
+from autotune.trials.launcher import free_port, remove_shm_buffers
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parent.parent
@@ -99,7 +99,7 @@ def test_the_outputs_name_the_users_command_and_what_its_start_up_check_read(loa
 def test_the_scripts_sequence_length_is_read_from_its_token_input(loader_study):
     """pipeline_train.py feeds (2 x 32) token ids: its first stage reads 32 off the input; the last
     stage never sees the input and leaves the cells empty; the summary has the tokens."""
-    from autotune.metrics_csv import read_metrics_csv
+    from autotune.rank.metrics_csv import read_metrics_csv
 
     _, study, _, _ = loader_study
     for n in range(3):

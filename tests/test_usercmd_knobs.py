@@ -15,9 +15,9 @@ from types import SimpleNamespace
 import pytest
 from launch_helpers import autotune_in_process
 
-from autotune.errors import UserError
-from autotune.proposers.base import Proposal
-from autotune.space import TrialConfig
+from autotune.core.errors import UserError
+from autotune.tuning.proposers.base import Proposal
+from autotune.core.space import TrialConfig
 from autotune.usercmd.knobs import KnobSweep, parse_knob, parse_knobs, value_in, with_value
 
 REPO = Path(__file__).resolve().parent.parent

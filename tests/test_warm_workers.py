@@ -1,4 +1,4 @@
-"""Warm workers (autotune/workers.py): the same measurement as fresh processes, a pool reused
+"""Warm workers (autotune/trials/warm_pool.py): the same measurement as fresh processes, a pool reused
 between trials, a hung trial that restarts the pool, nothing left running. Real ranks."""
 
 from __future__ import annotations
@@ -12,20 +12,20 @@ from pathlib import Path
 import pytest
 from robust_helpers import FAST, FAST_CONFIG, alive_under, rows, start_cli, write_config
 
-from autotune.dsconfig import DsConfig
-from autotune.launcher import group_alive, shm_buffers
+from autotune.core.dsconfig import DsConfig
+from autotune.trials.launcher import group_alive, shm_buffers
 from autotune.loaders.metrics import read_trial_columns
-from autotune.options import WorkloadOptions
-from autotune.space import TrialConfig
-from autotune.trial import TrialRunner
-from autotune.watchdog import StallLimits
+from autotune.core.options import WorkloadOptions
+from autotune.core.space import TrialConfig
+from autotune.trials.builtin import TrialRunner
+from autotune.rank.watchdog import StallLimits
 
 pytestmark = pytest.mark.slow
 
 A = TrialConfig(micro_batch_size=2, gradient_accumulation_steps=4)
 B = TrialConfig(micro_batch_size=4, gradient_accumulation_steps=2)
 STALL = StallLimits(startup_seconds=600.0)
-"""Each rank's watchdog armed, as in a study (autotune/watchdog.py): no thread per trial may stay."""
+"""Each rank's watchdog armed, as in a study (autotune/rank/watchdog.py): no thread per trial may stay."""
 
 
 def losses(trial_dir: Path) -> list[float]:
@@ -76,7 +76,7 @@ def test_warm_trials_succeed_in_one_pool(warm_and_fresh):
     assert memory["mode"] == "warm" and memory["job_in_pool"] == 2
     for r in memory["ranks"]:  # released: the third engine did not leave the process bigger by much
         assert r["rss_after_bytes"] - r["rss_before_bytes"] < 64 * 2**20, r
-    # each trial's process groups are destroyed with it (autotune/workload/groups.py): left alive,
+    # each trial's process groups are destroyed with it (autotune/rank/workload/groups.py): left alive,
     # their gloo threads made a long-lived pool's trials slower
     first = json.loads((root / "warm-0" / "worker-memory.json").read_text())
     assert [r["process_groups"] for r in memory["ranks"]] == [r["process_groups"] for r in first["ranks"]]
