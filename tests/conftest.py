@@ -64,3 +64,25 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         shown = ", ".join(stale[:3]) + (f" and {len(stale) - 3} more" if len(stale) > 3 else "")
         pytest.exit(f"the installed autotune is older than the source ({shown}): run ./scripts/setup "
                     "(or ./scripts/test, which runs it) to install it again", returncode=4)
+
+
+# -- reference studies, each run once per session and read by many modules (tests/shared_studies.py)
+@pytest.fixture(scope="session")
+def builtin_study(tmp_path_factory):
+    from shared_studies import run_builtin_study
+
+    return run_builtin_study(tmp_path_factory.mktemp("builtin-study"))
+
+
+@pytest.fixture(scope="session")
+def fault_study(tmp_path_factory):
+    from shared_studies import run_fault_study
+
+    return run_fault_study(tmp_path_factory.mktemp("fault-study"))
+
+
+@pytest.fixture(scope="session")
+def usercmd_study(tmp_path_factory):
+    from shared_studies import run_usercmd_study
+
+    return run_usercmd_study(tmp_path_factory.mktemp("usercmd-study"))

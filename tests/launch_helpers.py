@@ -21,6 +21,24 @@ def autotune_cli(*args: str, cwd: Path, timeout: float = 900, env: dict | None =
                           text=True, timeout=timeout, env={**os.environ, **(env or {})})
 
 
+def autotune_in_process(*args: str, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
+    """The same CLI in this process (click's runner), for refusals before any trial: as
+    `autotune_cli` returns, without the start of a Python. Keep entry-point tests on `autotune_cli`."""
+    from click.testing import CliRunner
+
+    from autotune.cli.main import cli
+
+    before = os.getcwd()
+    os.chdir(cwd)
+    try:
+        res = CliRunner().invoke(cli, list(args), env=env, catch_exceptions=True)
+    finally:
+        os.chdir(before)
+    if res.exception is not None and not isinstance(res.exception, SystemExit):
+        raise res.exception  # a traceback the real command would have printed
+    return subprocess.CompletedProcess(list(args), res.exit_code, res.stdout, res.stderr)
+
+
 def run_ranks(tmp: Path, ds_config: dict, *, ranks: int = 2, steps: int = 4, warmup: int = 1,
               preset: str = "small", stages: int = 2, **workload) -> tuple[list, TrialSummary | None, int]:
     """One real multi-process training run of the built-in workload; returns (records, summary, rc).

@@ -8,7 +8,7 @@ import json
 
 import pytest
 from builders import run_trial
-from robust_helpers import FAST, FAST_CONFIG, alive_under, start_cli, write_config
+from robust_helpers import FAST_CONFIG
 from test_warm_workers import losses
 
 from autotune.core.dsconfig import DsConfig
@@ -45,13 +45,12 @@ def test_a_checkpointed_trial_trains_to_the_same_losses_in_fresh_processes(tmp_p
     assert got == pytest.approx(want, rel=1e-5)
 
 
-def test_autotune_run_checkpoints_the_micro_batch_that_ran_out_of_memory(tmp_path):
-    cfg = write_config(tmp_path)
-    proc = start_cli("run", "--budget", "3", "--study", "st", "--config", str(cfg), "--fault", "oom@1",
-                     "--full-budget", *FAST, cwd=tmp_path)
-    out, _ = proc.communicate(timeout=900)
-    assert proc.returncode == 0, out[-4000:]
-    study = Study.open(tmp_path / "st", create=False)
+def test_autotune_run_checkpoints_the_micro_batch_that_ran_out_of_memory(fault_study):
+    """The session's fault study (tests/shared_studies.py): trial 1 runs out of memory, trial 2
+    is the checkpoint step's rerun of its micro-batch."""
+    assert fault_study.returncode == 0, fault_study.output[-4000:]
+    out = fault_study.output
+    study = Study.open(fault_study.study, create=False)
     try:
         trials = {t.number: t for t in study.counted()}
     finally:
@@ -62,8 +61,8 @@ def test_autotune_run_checkpoints_the_micro_batch_that_ran_out_of_memory(tmp_pat
     assert trials[2].config.key()[:3] == trials[1].config.key()[:3]  # the same micro-batch, GAS, bucket
     assert "trial 1 ran out of memory" in trials[2].reason
     assert "checkpoint: micro-batch" in out  # the decision, said
-    best = json.loads((tmp_path / "st" / "summary.json").read_text())["best"]
-    written = json.loads((tmp_path / "st" / "best_ds_config.json").read_text())
+    best = json.loads((fault_study.study / "summary.json").read_text())["best"]
+    written = json.loads((fault_study.study / "best_ds_config.json").read_text())
     assert (written.get("pipeline", {}).get("activation_checkpoint_interval", 0)
             == best["activation_checkpoint_interval"])
-    assert alive_under(tmp_path) == []
+    assert fault_study.alive_after == []

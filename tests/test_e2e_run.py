@@ -5,7 +5,6 @@ from __future__ import annotations
 import csv
 import json
 import sqlite3
-from pathlib import Path
 
 import pytest
 from launch_helpers import run_ranks
@@ -13,20 +12,13 @@ from launch_helpers import run_ranks
 from autotune.core.schema import CSV_COLUMNS, REQUIRED_COLUMNS
 
 pytestmark = pytest.mark.slow
-SHM = Path("/dev/shm")
 
 
 @pytest.fixture(scope="module")
-def study(tmp_path_factory):
-    from launch_helpers import autotune_cli
-
-    root = tmp_path_factory.mktemp("e2e")
-    shm_before = set(SHM.glob("deepspeed_allreduce_buffer_*"))
-    proc = autotune_cli("run", "--budget", "3", "--study", "st", "--steps", "2", "--warmup-steps", "1",
-                        "--fixed-steps", cwd=root)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    leaked = set(SHM.glob("deepspeed_allreduce_buffer_*")) - shm_before
-    return root / "st", proc, leaked
+def study(builtin_study):
+    """The session's built-in study (tests/shared_studies.py): budget 3, default config, 4 ranks."""
+    assert builtin_study.returncode == 0, builtin_study.stdout[-3000:] + builtin_study.stderr[-3000:]
+    return builtin_study.study, builtin_study, builtin_study.shm_leaked
 
 
 def test_study_database_holds_every_trial(study):

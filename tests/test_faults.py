@@ -9,44 +9,22 @@ from pathlib import Path
 
 import pytest
 from builders import run_trial
-from robust_helpers import FAST, alive_under, rows, start_cli, write_config
+from robust_helpers import alive_under, rows, write_config
+from shared_studies import FAULT_BUDGET, FAULTS, HAS_FP16, NO_FP16_REASON
 
 from autotune.core.dsconfig import DsConfig
 from autotune.core.options import WorkloadOptions
 from autotune.core.space import TrialConfig
 from autotune.trials.builtin import builtin_runner
 from autotune.trials.launcher import group_alive
-from autotune.trials.precision import probe_devices
 
 pytestmark = pytest.mark.slow
 
-# The loss-scale collapse needs fp16 (only fp16 has a dynamic loss scale), and whether
-# DeepSpeed's CPU accelerator runs fp16 depends on the CPU model. Where it cannot, the
-# run goes without fp16 and without that one fault; every other fault is still checked.
-CPU = probe_devices("cpu")
-HAS_FP16 = CPU.supported["fp16"]
-NO_FP16_REASON = f"{CPU.device} has no fp16 ({CPU.why_not.get('fp16')}): the loss scale cannot collapse here"
-FAULTS = {1: ("oom", "oom"), 2: ("kill", "killed"), 3: ("nan", "nonfinite_loss"),
-          4: ("nometrics", "no_metrics"), 5: ("nolauncher", "launcher_missing")}
-OVERFLOW = {6: ("overflow", "loss_scale_collapse")}
-if HAS_FP16:
-    FAULTS.update(OVERFLOW)
-
 
 @pytest.fixture(scope="module")
-def fault_run(tmp_path_factory):
-    root = tmp_path_factory.mktemp("faults")
-    # fp16 with the loss scale starting at its minimum: a healthy trial never overflows,
-    # the `overflow` fault makes every gradient overflow, so the scale collapses for real.
-    fp16 = {"fp16": {"enabled": True, "initial_scale_power": 0, "min_loss_scale": 1,
-                     "hysteresis": 1, "loss_scale_window": 1000}} if HAS_FP16 else {}
-    cfg = write_config(root, **fp16)
-    assert alive_under(root) == []
-    spec = ",".join(f"{kind}@{n}" for n, (kind, _) in FAULTS.items())
-    proc = start_cli("run", "--budget", str(len(FAULTS) + 1), "--study", "st", "--config", str(cfg), "--fault", spec, *FAST,
-                     cwd=root)
-    out, _ = proc.communicate(timeout=900)
-    return root / "st", proc.returncode, out, alive_under(root)
+def fault_run(fault_study):
+    """The session's fault study (tests/shared_studies.py): a fault in every trial of FAULTS."""
+    return fault_study.study, fault_study.returncode, fault_study.output, fault_study.alive_after
 
 
 def test_run_reaches_its_budget_with_every_fault_classified(fault_run):
@@ -56,14 +34,16 @@ def test_run_reaches_its_budget_with_every_fault_classified(fault_run):
     assert got[0] == ("ok", None)
     for n, (_, reason) in FAULTS.items():
         assert got[n] == ("failed", reason), (n, got[n], out[-3000:])
-    assert len(got) == len(FAULTS) + 1
+    assert len(got) == FAULT_BUDGET
+    healthy = set(got) - set(FAULTS)
+    assert healthy == {0, 2} and got[2] == ("ok", None)  # the baseline, and the checkpoint step's rerun
 
 
 @pytest.mark.skipif(not HAS_FP16, reason=NO_FP16_REASON)
 def test_fp16_overflow_fault_is_part_of_the_run(fault_run):
     study, _, out, _ = fault_run
     got = {n: (status, reason) for n, status, reason, _ in rows(study)}
-    assert got[6] == ("failed", "loss_scale_collapse"), out[-3000:]
+    assert got[7] == ("failed", "loss_scale_collapse"), out[-3000:]
 
 
 def test_no_process_left_behind(fault_run):
@@ -84,7 +64,7 @@ def test_reasons_reach_display_summary_report_and_logs_are_kept(fault_run):
         assert f"failed ({reason})" in report
         assert f"failed: {reason}" in out  # the live row
         assert (study / f"trial-{n:03d}" / "launcher.log").stat().st_size > 0
-    assert summary["counted_trials"] == len(FAULTS) + 1 and summary["failed_trials"] == len(FAULTS)
+    assert summary["counted_trials"] == FAULT_BUDGET and summary["failed_trials"] == len(FAULTS)
     assert summary["best"]["status"] == "ok"
     assert (study / "best_ds_config.json").exists()
 
@@ -94,7 +74,7 @@ def test_the_proposer_learns_from_failures(fault_run):
     db = sqlite3.connect(study / "study.db")
     sources = [r[0] for r in db.execute("SELECT source FROM trials ORDER BY number")]
     db.close()
-    assert sources[0] == "baseline" and len(sources) == len(FAULTS) + 1  # every failure was told, ask() went on
+    assert sources[0] == "baseline" and len(sources) == FAULT_BUDGET  # every failure was told, ask() went on
 
 
 def test_hung_rank_is_stopped_by_the_timeout(tmp_path):

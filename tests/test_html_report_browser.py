@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -92,13 +90,9 @@ def test_advise_page_in_chromium(tmp_path, browser):
 
 # -- a real tuning run -----------------------------------------------------------------
 @pytest.fixture(scope="module")
-def real_run(tmp_path_factory):
-    study = tmp_path_factory.mktemp("html-run") / "study"
-    proc = subprocess.run(
-        [sys.executable, "-m", "autotune", "run", "--budget", "2", "--dp", "1", "--steps", "2",
-         "--warmup-steps", "1", "--study", str(study)],
-        capture_output=True, text=True, timeout=900)
-    return study, proc
+def real_run(builtin_study):
+    """The session's built-in study (tests/shared_studies.py): a real `autotune run --budget 3`."""
+    return builtin_study.study, builtin_study
 
 
 @pytest.mark.slow

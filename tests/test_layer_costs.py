@@ -14,6 +14,7 @@ import statistics
 import pytest
 from launch_helpers import autotune_cli, pipeline_config, run_ranks
 from robust_helpers import write_config
+from shared_studies import USER_PARTS
 
 from autotune.core.errors import InputFileError
 from autotune.core.partition import balanced_parts, stage_times
@@ -104,23 +105,14 @@ def test_tuning_run_balances_an_unbalanced_baseline(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_users_script_gets_the_hooks_and_the_parts(tmp_path):
-    """An unmodified user script: the bootstrap builds its PipelineModule with the given parts
-    (its own code asks for `parameters`) and the layer-cost sink rides on its engine."""
-    import os
-    import sys
-    from pathlib import Path
-
-    examples = Path(__file__).resolve().parents[1] / "examples"
-    env = {"PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
-           "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    command = ["deepspeed", "--num_gpus", "2", str(examples / "pipeline_train.py"),
-               "--deepspeed_config", str(examples / "ds_config.json"), "--steps", "100000", "--save-dir", "ckpt"]
-    proc = autotune_cli("run", "--budget", "1", "--study", "st", "--steps", "2", "--warmup-steps", "1",
-                        "--layer-costs", "--partition-method", "parts:0,2,6", "--no-metrics", "--", *command,
-                        cwd=tmp_path, env=env)
+def test_a_users_script_gets_the_hooks_and_the_parts(usercmd_study):
+    """An unmodified user script (the session's user-command study, tests/shared_studies.py, run
+    with --layer-costs --partition-method parts:0,2,6): the bootstrap builds its PipelineModule
+    with the given parts (its own code asks for `parameters`) and the layer-cost sink rides on
+    its engine."""
+    proc = usercmd_study
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    lc = read_trial_layer_costs(tmp_path / "st" / "trial-000")
-    assert lc.parts == [0, 2, 6]
+    lc = read_trial_layer_costs(usercmd_study.study / "trial-000")
+    assert "parts:" + ",".join(map(str, lc.parts)) == USER_PARTS == "parts:0,2,6"
     assert lc.names[0] == "Embedding" and lc.names[-1] == "Head"
     assert all(f > 0 for f in lc.forward_seconds) and all(b > 0 for b in lc.backward_seconds[1:])

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import ssh_cluster
+from launch_helpers import autotune_in_process
 from robust_helpers import alive_under, rows, start_cli, write_config
 
 from autotune.core.errors import UserError
@@ -209,8 +210,7 @@ def test_slurm_needs_an_allocation_with_enough_tasks(tmp_path, monkeypatch):
 
 
 def test_cli_refuses_a_bad_hostfile_before_any_study(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "autotune", "run", "--budget", "1", "--study", "st",
-                        "--hostfile", "missing-hostfile"], cwd=tmp_path, capture_output=True, text=True)
+    r = autotune_in_process("run", "--budget", "1", "--study", "st", "--hostfile", "missing-hostfile", cwd=tmp_path)
     assert r.returncode == 2, r.stderr
     assert r.stderr.strip().splitlines() == ["autotune: error: --hostfile missing-hostfile: no such file"]
     assert not (tmp_path / "st").exists()

@@ -10,21 +10,24 @@ import sys
 from pathlib import Path
 
 import pytest
+from launch_helpers import autotune_in_process
 
 from autotune.study.store import Study
 from autotune.usercmd.knobs import is_precision
 
+ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+
 
 def _autotune(cwd: Path, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    """The installed command, in a subprocess."""
     return subprocess.run([sys.executable, "-m", "autotune", "run", *args], cwd=cwd, capture_output=True,
-                          text=True, env=env, timeout=120)
+                          text=True, env={**os.environ, **ENV}, timeout=120)
 
 
 @pytest.mark.parametrize("knob", ["precision:fp16,bf16=--precision {value}", "dtype:fp32,bf16=--dtype={value}",
                                   "mixed_precision:0,1=--amp {value}"])
 def test_a_precision_knob_names_the_flag_to_use(tmp_path, knob):
-    r = _autotune(tmp_path, "--budget", "2", "--study", "st", "--knob", knob)
+    r = autotune_in_process("run", "--budget", "2", "--study", "st", "--knob", knob, cwd=tmp_path, env=ENV)
     assert r.returncode == 2, r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("autotune: error: --knob "), lines

@@ -5,9 +5,14 @@ from __future__ import annotations
 import re
 
 import pytest
+from builders import run_trial
 from launch_helpers import pipeline_config, run_ranks
 
+from autotune.core.dsconfig import DsConfig
+from autotune.core.options import WorkloadOptions
+from autotune.core.space import TrialConfig
 from autotune.core.summary import summarize_trial
+from autotune.trials.builtin import builtin_runner
 from benchmarks.p2p_split_truth import figures
 
 pytestmark = pytest.mark.slow
@@ -61,11 +66,19 @@ def test_balanced_bubble_tracks_the_ideal(tmp_path):
     8 layers (the default balances parameters, which leaves stage 0 ~15 % heavier on
     the small preset and adds that imbalance to the bubble at m = 8).
     """
+    # One pool of warm workers for the three trials (autotune/trials/warm_pool.py): what a study measures.
+    wl = WorkloadOptions(preset="small", data_parallel_size=1, steps=6, warmup_steps=1, partition_method="uniform")
+    runner = builtin_runner(wl, DsConfig.from_dict(pipeline_config(4, 1)))
     measured = {}
-    for m in (1, 2, 8):
-        _, s, rc = run_ranks(tmp_path / f"m{m}", pipeline_config(4, m), steps=6, partition_method="uniform")
-        assert rc == 0
-        measured[m] = (s.bubble_fraction_measured, s.bubble_fraction_ideal)
+    try:
+        for n, m in enumerate((1, 2, 8)):
+            out = run_trial(runner, n, TrialConfig(micro_batch_size=4, gradient_accumulation_steps=m),
+                            tmp_path / f"m{m}", timeout=600)
+            assert out.result.ok, out.failure_detail
+            s = out.summary
+            measured[m] = (s.bubble_fraction_measured, s.bubble_fraction_ideal)
+    finally:
+        runner.close()
     for got, ideal in measured.values():
         assert got == pytest.approx(ideal, abs=0.12), measured
     assert measured[1][0] > measured[2][0] > measured[8][0]

@@ -9,8 +9,11 @@ import json
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 from launch_helpers import autotune_cli
 from robust_helpers import FAST, alive_under, rows, write_config
+
+from autotune.cli.main import cli
 
 pytestmark = pytest.mark.slow
 
@@ -29,7 +32,7 @@ NOT_A_FUNCTION = 3
 '''
 
 
-@pytest.mark.parametrize("path, needle", [
+BAD_PATHS = [
     ("no_such_module_xyz:build", "cannot import no_such_module_xyz: ModuleNotFoundError"),
     ("bad_models:missing", "bad_models has no function missing"),
     ("bad_models:NOT_A_FUNCTION", "has no function NOT_A_FUNCTION"),
@@ -37,15 +40,37 @@ NOT_A_FUNCTION = 3
     ("bad_models:raises", "raised RuntimeError: no such weights"),
     ("not a path", "use MODULE:FUNCTION"),
     ("broken_import:build", "cannot import broken_import: ZeroDivisionError"),
-])
-def test_bad_model_paths_are_one_line_before_any_trial(tmp_path, path, needle):
-    (tmp_path / "bad_models.py").write_text(BAD)
-    (tmp_path / "broken_import.py").write_text("x = 1 / 0\n")
-    res = autotune_cli("run", "--budget", "1", "--study", "st", "--model", path, *FAST, cwd=tmp_path, timeout=300)
-    assert res.returncode == 2, (res.stdout[-2000:], res.stderr[-2000:])
+]
+
+
+def _user_modules(folder: Path) -> None:
+    (folder / "bad_models.py").write_text(BAD)
+    (folder / "broken_import.py").write_text("x = 1 / 0\n")
+
+
+@pytest.mark.parametrize("path, needle", BAD_PATHS)
+def test_bad_model_paths_are_one_line_before_any_trial(tmp_path, monkeypatch, path, needle):
+    """In process (click's runner): the check itself is a real subprocess that imports the user's module."""
+    _user_modules(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    res = CliRunner().invoke(cli, ["run", "--budget", "1", "--study", "st", "--model", path, *FAST])
+    assert res.exit_code == 2, (res.output[-2000:], res.exception)
+    assert res.exception is None or isinstance(res.exception, SystemExit), repr(res.exception)
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("autotune: error: --model"), res.stderr
     assert needle in lines[0]
+    assert "Traceback" not in res.output
+    assert not (tmp_path / "st").exists()
+
+
+def test_a_bad_model_path_through_the_entry_point(tmp_path):
+    """The same refusal from the installed command (`python -m autotune`): one line on stderr, exit 2."""
+    _user_modules(tmp_path)
+    path, needle = BAD_PATHS[3]
+    res = autotune_cli("run", "--budget", "1", "--study", "st", "--model", path, *FAST, cwd=tmp_path, timeout=300)
+    assert res.returncode == 2, (res.stdout[-2000:], res.stderr[-2000:])
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("autotune: error: --model") and needle in lines[0], res.stderr
     assert "Traceback" not in res.stderr + res.stdout
     assert not (tmp_path / "st").exists()
 

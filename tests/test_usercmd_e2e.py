@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from launch_helpers import autotune_cli
+from shared_studies import copy_study
 
 from autotune.trials.launcher import free_port, remove_shm_buffers
 
@@ -42,14 +43,12 @@ def _trials(study: Path) -> list[tuple]:
 
 
 @pytest.fixture(scope="module")
-def loader_study(tmp_path_factory):
-    """The engine-owned-loader example through `deepspeed`, budget 3."""
-    cwd = tmp_path_factory.mktemp("usercmd")
-    command = ["deepspeed", "--num_gpus", "2", str(EXAMPLES / "pipeline_train.py"),
-               "--deepspeed_config", str(USER_CONFIG), "--steps", "100000", "--save-dir", "ckpt"]
-    proc = _run(cwd, "--budget", "3", "--study", "st", *FAST, "--", *command)
+def loader_study(usercmd_study):
+    """The session's user-command study (tests/shared_studies.py): the engine-owned-loader example
+    through `deepspeed`, budget 3."""
+    proc = usercmd_study
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return cwd, cwd / "st", command, proc
+    return proc.root, proc.study, list(proc.command), proc
 
 
 def test_every_trial_ran_the_users_script_and_succeeded(loader_study):
@@ -136,8 +135,9 @@ def test_the_stop_never_reached_the_scripts_checkpoint_and_left_nothing_running(
     assert str(study.resolve()) not in ps
 
 
-def test_best_config_trains_the_script_on_its_own(loader_study):
-    cwd, study, _, _ = loader_study
+def test_best_config_trains_the_script_on_its_own(loader_study, tmp_path):
+    _, study, _, _ = loader_study
+    cwd = tmp_path  # its checkpoint goes here, not beside the shared study
     best = study / "best_ds_config.json"
     summary = json.loads((study / "summary.json").read_text())
     assert summary["best"] is not None and (study / "report.md").is_file()
@@ -153,10 +153,11 @@ def test_best_config_trains_the_script_on_its_own(loader_study):
     assert (cwd / "own").is_dir()  # unstopped, the script reaches its own checkpoint
 
 
-def test_a_different_command_for_the_study_is_refused_and_the_study_kept(loader_study):
-    cwd, study, command, _ = loader_study
+def test_a_different_command_for_the_study_is_refused_and_the_study_kept(loader_study, tmp_path):
+    _, _, command, shared = loader_study
+    study = copy_study(shared, tmp_path)  # a refusal that went wrong must not touch the shared one
     before = (study / "study.db").read_bytes()
-    proc = _run(cwd, "--study", "st", "--", *command[:-1], "other")
+    proc = _run(tmp_path, "--study", study.name, "--", *command[:-1], "other")
     assert proc.returncode == 2, proc.stderr
     assert "created for another command" in proc.stderr and proc.stderr.count("\n") == 1
     assert (study / "study.db").read_bytes() == before

@@ -13,6 +13,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from launch_helpers import autotune_in_process
 from step_driver import Driven
 
 from autotune.core.errors import UserError
@@ -159,8 +160,8 @@ def _autotune(cwd: Path, *args: str, timeout: float = 60) -> subprocess.Complete
     ("x:a,b=--deepspeed_config {value}", "where the command takes the DeepSpeed config"),
 ])
 def test_cli_refuses_a_bad_knob_before_anything_runs(tmp_path, knob, words):
-    r = _autotune(tmp_path, "--budget", "2", "--study", "st", "--knob", knob, "--", "deepspeed", "--num_gpus", "2",
-                  str(EXAMPLE), "--deepspeed_config", str(CONFIG))
+    r = autotune_in_process("run", "--budget", "2", "--study", "st", "--knob", knob, "--", "deepspeed", "--num_gpus",
+                            "2", str(EXAMPLE), "--deepspeed_config", str(CONFIG), cwd=tmp_path, env=_env())
     assert r.returncode == 2, r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("autotune: error: --knob") and words in lines[0], lines
@@ -168,7 +169,8 @@ def test_cli_refuses_a_bad_knob_before_anything_runs(tmp_path, knob, words):
 
 
 def test_cli_refuses_a_knob_without_a_command(tmp_path):
-    r = _autotune(tmp_path, "--budget", "1", "--study", "st", "--knob", "partition_method=--p {value}")
+    r = autotune_in_process("run", "--budget", "1", "--study", "st", "--knob", "partition_method=--p {value}",
+                            cwd=tmp_path, env=_env())
     assert r.returncode == 2
     assert r.stderr.strip() == ("autotune: error: --knob maps a model setting to a flag of your own script; "
                                 "the built-in workload's are --partition-method and "

@@ -121,12 +121,11 @@ def test_nothing_is_left_after_close(warm_and_fresh):
         assert not group_alive(pgid)
 
 
-def test_a_warm_study_of_budget_3_completes_and_leaves_nothing(tmp_path):
-    cfg = write_config(tmp_path)
-    proc = start_cli("run", "--budget", "3", "--study", "st", "--config", str(cfg), *FAST, cwd=tmp_path)
-    out, _ = proc.communicate(timeout=900)
-    assert proc.returncode == 0, out[-3000:]
-    study = tmp_path / "st"
+def test_a_warm_study_of_budget_3_completes_and_leaves_nothing(builtin_study):
+    """The session's built-in study (tests/shared_studies.py): budget 3 in warm workers, the default."""
+    out = builtin_study.output
+    assert builtin_study.returncode == 0, out[-3000:]
+    study = builtin_study.study
     rs = rows(study)
     assert [(r[0], r[1]) for r in rs] == [(0, "ok"), (1, "ok"), (2, "ok")], out[-3000:]
     assert len({r[3] for r in rs}) == 1  # one pool for the whole study
@@ -138,7 +137,7 @@ def test_a_warm_study_of_budget_3_completes_and_leaves_nothing(tmp_path):
     summary = json.loads((study / "summary.json").read_text())
     assert summary["counted_trials"] == 3 and summary["best"]["status"] == "ok"
     assert "fresh processes" not in out  # nothing fell back
-    assert alive_under(tmp_path) == []
+    assert builtin_study.alive_after == []
     assert shm_buffers(_port(study, 0)) == []  # the pool's buffers went with it
 
 

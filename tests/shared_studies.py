@@ -1,0 +1,121 @@
+"""Reference studies shared by many test modules, each run once per session (conftest.py).
+
+A real `autotune run` costs a controller, a pool of DeepSpeed ranks and its trials: tests that
+only read a finished study read one of these instead of running their own. Each is a plain
+value (folders, exit code, output); a test that changes a study works on `copy_study`'s copy.
+
+- `builtin_study`: the built-in workload as the README runs it (2 stages x 2 dp, ZeRO-1, warm
+  workers), budget 3, every trial healthy.
+- `fault_study`: the built-in workload on 2 ranks with a fault injected in most trials
+  (autotune/core/faults.py) and the checkpoint step after the out-of-memory one.
+- `usercmd_study`: `autotune run -- deepspeed examples/pipeline_train.py ...`, the user's
+  script unchanged, budget 3, with the layer-cost hooks and given parts.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from launch_helpers import autotune_cli
+from robust_helpers import FAST, alive_under, write_config
+
+from autotune.trials.launcher import processes_with
+from autotune.trials.precision import probe_devices
+
+SHM = Path("/dev/shm")
+REPO = Path(__file__).resolve().parent.parent
+EXAMPLES = REPO / "examples"
+USER_CONFIG = EXAMPLES / "ds_config.json"
+
+
+@dataclass(frozen=True)
+class SharedStudy:
+    """A finished `autotune run`: where, how it ended, what it printed, what it left."""
+
+    root: Path
+    """The run's working directory (the study is `root / "st"`)."""
+    study: Path
+    returncode: int
+    stdout: str
+    stderr: str
+    alive_after: list[int]
+    """Processes still naming `root` right after the run (none, in a correct run)."""
+    shm_leaked: set[Path]
+    """DeepSpeed /dev/shm buffers that appeared during the run and are still there."""
+    command: tuple[str, ...] = ()
+    """The user's command after `--` (usercmd_study only)."""
+
+    @property
+    def output(self) -> str:
+        return self.stdout + self.stderr
+
+
+def _run(root: Path, *args: str, command: tuple[str, ...] = (), env: dict | None = None) -> SharedStudy:
+    assert alive_under(root) == []
+    before = set(SHM.glob("deepspeed_allreduce_buffer_*"))
+    proc = autotune_cli("run", "--study", str(root / "st"), *args, *(("--", *command) if command else ()),
+                        cwd=root, timeout=1200, env=env)
+    leaked = set(SHM.glob("deepspeed_allreduce_buffer_*")) - before
+    return SharedStudy(root=root, study=root / "st", returncode=proc.returncode, stdout=proc.stdout,
+                       stderr=proc.stderr, alive_after=alive_under(root), shm_leaked=leaked, command=command)
+
+
+def run_builtin_study(root: Path) -> SharedStudy:
+    """`autotune run --budget 3` with the default config (dp 2, 4 ranks), 2 measured steps."""
+    return _run(root, "--budget", "3", "--steps", "2", "--warmup-steps", "1", "--fixed-steps")
+
+
+# The loss-scale collapse needs fp16 (only fp16 has a dynamic loss scale), and whether
+# DeepSpeed's CPU accelerator runs fp16 depends on the CPU model. Where it cannot, the
+# run goes without fp16 and without that one fault; every other fault is still checked.
+CPU = probe_devices("cpu")
+HAS_FP16 = CPU.supported["fp16"]
+NO_FP16_REASON = f"{CPU.device} has no fp16 ({CPU.why_not.get('fp16')}): the loss scale cannot collapse here"
+FAULTS = {1: ("oom", "oom"), 3: ("kill", "killed"), 4: ("nan", "nonfinite_loss"),
+          5: ("nometrics", "no_metrics"), 6: ("nolauncher", "launcher_missing")}
+"""Trial -> (the --fault kind injected, the failure reason it must end with). Trial 2 has none:
+it is the checkpoint step's rerun of trial 1's micro-batch (tests/test_checkpoint_ranks.py)."""
+if HAS_FP16:
+    FAULTS[7] = ("overflow", "loss_scale_collapse")
+FAULT_BUDGET = len(FAULTS) + 2  # the baseline and the checkpointed trial are healthy
+
+
+def run_fault_study(root: Path) -> SharedStudy:
+    """FAST on 2 ranks, --full-budget (every trial of the budget runs), a fault in each trial of FAULTS."""
+    # fp16 with the loss scale starting at its minimum: a healthy trial never overflows,
+    # the `overflow` fault makes every gradient overflow, so the scale collapses for real.
+    fp16 = {"fp16": {"enabled": True, "initial_scale_power": 0, "min_loss_scale": 1,
+                     "hysteresis": 1, "loss_scale_window": 1000}} if HAS_FP16 else {}
+    cfg = write_config(root, **fp16)
+    spec = ",".join(f"{kind}@{n}" for n, (kind, _) in FAULTS.items())
+    return _run(root, "--budget", str(FAULT_BUDGET), "--config", str(cfg), "--fault", spec, "--full-budget", *FAST)
+
+
+def user_env() -> dict[str, str]:
+    """`deepspeed` is the one next to this Python, as in the user's activated environment."""
+    return {"PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+            "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+
+
+USER_PARTS = "parts:0,2,6"
+"""Given to the user's PipelineModule (its own code asks for `parameters`): tests/test_layer_costs.py."""
+
+
+def run_usercmd_study(root: Path) -> SharedStudy:
+    """The engine-owned-loader example through `deepspeed`, budget 3, 2 measured steps each,
+    with --layer-costs and --partition-method parts:0,2,6 (the bootstrap's two hooks)."""
+    command = ("deepspeed", "--num_gpus", "2", str(EXAMPLES / "pipeline_train.py"),
+               "--deepspeed_config", str(USER_CONFIG), "--steps", "100000", "--save-dir", "ckpt")
+    return _run(root, "--budget", "3", "--steps", "2", "--warmup-steps", "1", "--fixed-steps",
+                "--trial-timeout", "600", "--layer-costs", "--partition-method", USER_PARTS,
+                command=command, env=user_env())
+
+
+def copy_study(shared: SharedStudy, dest: Path) -> Path:
+    """A copy of the shared study's folder under `dest`, for a test that writes to it."""
+    assert not processes_with(str(shared.study.resolve())), "the shared run is over"
+    return Path(shutil.copytree(shared.study, dest / shared.study.name))
