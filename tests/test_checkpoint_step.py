@@ -182,6 +182,7 @@ def test_the_interval_is_stored_read_back_and_added_to_an_older_study(tmp_path):
     import sqlite3
 
     from autotune.study import store as study_mod
+
     old = tmp_path / "old"
     old.mkdir()
     db = sqlite3.connect(old / study_mod.DB_NAME)

@@ -85,6 +85,7 @@ def tune(opts: RunOptions, display: ProgressDisplay | None = None, *,
     require("tune", what="autotune run")  # before any trial: not N launcher_missing failures
     display = display or ProgressDisplay(budget=opts.budget)
     from autotune.trials import ext_locks
+
     ext_locks.PREFLIGHT.note = display.note  # what the pre-flight of every launch says goes to the run's output
     ext_locks.PREFLIGHT.wait_limit = opts.build_wait
     job = prepare_job(opts, command, display.note)
@@ -115,6 +116,7 @@ def tune(opts: RunOptions, display: ProgressDisplay | None = None, *,
         display.note(f"space: {space.describe()}")
         exporter = _live_metrics(opts, display, study)
         from autotune.tuning import preload
+
         preload.start()  # the optimizer's and the report's imports, while the baseline starts its ranks
         runner = job.runner(opts, base, note=display.note, cluster=cluster)
         steps = job.steps(opts, base, space, root=study.root, note=display.note, cluster=cluster,
