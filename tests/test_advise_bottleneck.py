@@ -199,12 +199,12 @@ def test_a_real_slowed_stage_is_named(tmp_path):
     _, summary, rc = run_ranks(tmp_path, pipeline_config(4, 4), steps=6, partition_method="uniform",
                                slow_stage=1, slow_factor=3, slow_every=1)
     assert rc == 0 and summary is not None
-    files = sorted(tmp_path.glob("m*.csv"))
+    files = sorted(tmp_path.glob("metrics-rank*.csv"))
     assert len(files) == 2
     data = advise(*files)
     f = finding(data, "stage-imbalance")
     assert f is not None and f["evidence"][0]["stages"] == [1] and f["evidence"][0]["ranks"] == [1]
-    assert f["subject"] == "m0.csv + 1 more"
+    assert f["subject"] == "metrics-rank0.csv + 1 more"
     assert f["evidence"][0]["measured"] == pytest.approx(summary.stage_compute_imbalance)
 
 
