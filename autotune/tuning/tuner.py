@@ -73,8 +73,9 @@ class Tuner:
         """The model-setting steps around the search, in the order they propose: the checkpoint
         step, the partition rounds, the knob sweep (autotune/tuning/steps.py)."""
         self.outputs = StudyOutputs(study, runner)
-        self.callbacks = [*callbacks, self.outputs]
-        """The display, the live metrics, and the study's output files, in that order."""
+        self.callbacks = list(callbacks)
+        """The display and the live metrics; the study's output files (`outputs`) are written after
+        them, once the steps and the proposer have heard of the trial."""
         self.baseline, self.note, self.budget = baseline, note, budget
         self.trial_timeout = trial_timeout
         self.startup_timeout = startup_timeout
@@ -248,14 +249,14 @@ class Tuner:
                        room=self.budget - len(self.study.counted()), earlier_best=max(earlier) if earlier else None,
                        incumbent=request.incumbent)
         # the trial's row and its own notes first, then what the setting steps decide from it
-        for callback in self.callbacks[:-1]:  # the outputs last: after the steps and the proposer
+        for callback in self.callbacks:
             callback.trial_finished(end, outcome, fired)
         for step in self.steps:
             step.after(end)
         self._held[number] = (cfg, result)
         self._tell_settled()
         self._check_startup_hang(outcome)
-        self.outputs.trial_finished(end, outcome, fired)
+        self.outputs.trial_finished(end, outcome, fired)  # last: after the steps and the proposer
 
     def _tell_settled(self) -> None:
         """Tell the proposer the held results, unless the partition step or knob sweep is still deciding.
