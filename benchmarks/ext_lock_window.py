@@ -59,7 +59,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.quick:
         args.loads = 3
-    roots = [r for r in extension_roots() if r.name.endswith("_cpu")]
+    # torch's own cache names the CPU folder py311_cpu; a TORCH_EXTENSIONS_DIR is used as it is
+    roots = [r for r in extension_roots() if r.name.endswith("_cpu") or os.environ.get("TORCH_EXTENSIONS_DIR")]
+    roots = [r for r in roots if any((r / op).is_dir() for op in CPU_OPS)]
     if not roots:
         print("no built CPU ops in the torch extension cache: run ./scripts/setup first")
         return 2

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import filecmp
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -66,6 +67,18 @@ def pytest_sessionstart(session: pytest.Session) -> None:
                     "(or ./scripts/test, which runs it) to install it again", returncode=4)
 
 
+@pytest.fixture(autouse=True)
+def _stop_signals_restored():
+    """A test that runs the tuner or `watch` in this process must leave Ctrl-C as it found it:
+    a SIGINT left ignored made a later Ctrl-C of the whole suite print nothing at all."""
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    yield
+    changed = {sig.name for sig, h in before.items() if signal.getsignal(sig) is not h}
+    for sig, h in before.items():
+        signal.signal(sig, h)
+    assert not changed, f"the test left {sorted(changed)} handled differently"
+
+
 # -- reference studies, each run once per session and read by many modules (tests/shared_studies.py)
 @pytest.fixture(scope="session")
 def builtin_study(tmp_path_factory):
@@ -86,3 +99,4 @@ def usercmd_study(tmp_path_factory):
     from shared_studies import run_usercmd_study
 
     return run_usercmd_study(tmp_path_factory.mktemp("usercmd-study"))
+

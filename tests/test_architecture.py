@@ -105,6 +105,14 @@ def test_the_advisor_knows_nothing_of_the_tuner():
     assert {m: v for m, v in bad.items() if v} == {}
 
 
+def test_a_trial_knows_nothing_of_the_tuner():
+    """trials/ runs what it is asked (a TrialRequest) and judges it; what to ask is tuning/'s.
+    What both share (TrialResult, the space, the kinds) is the data model's (core/)."""
+    bad = {m: sorted(i for i in _imports(m, module_level_only=False) if i.startswith("autotune.tuning"))
+           for m in MODULES if m.startswith("autotune.trials")}
+    assert {m: v for m, v in bad.items() if v} == {}
+
+
 def test_the_core_reaches_exporters_only_where_it_wires_them():
     users = {m for m in MODULES if m.startswith("autotune")
              and any(i.startswith("exporters") for i in _imports(m, module_level_only=False))}

@@ -94,24 +94,29 @@ query; such an alert is not compared."""
 
 
 def test_alert_fires_where_the_real_signal_crosses_its_threshold(live_job):
-    """Each alert is active exactly where its real signal is above its threshold. Since comm/compute
-    counts transfer only (issue 24) it may sit near its 0.25 on 4 CPU ranks, so an alert whose
-    values lie within DECIDED of the threshold is left out; the bubble on 4 ranks sharing 2 cores
-    is far above the ideal (oversubscription), so at least one alert is always compared."""
+    """Each alert is active exactly where its real signal is above its threshold, at the rule's
+    own last evaluation: the signal is read at that evaluation's timestamp, from the same
+    response that lists the rule's alerts (a reading taken later can differ by a step, and
+    comm/compute moves that much between steps). Since comm/compute counts transfer only
+    (issue 24) it may sit near its 0.25 on 4 CPU ranks, so an alert whose values lie within
+    DECIDED of the threshold is left out; the bubble on 4 ranks sharing 2 cores is far above the
+    ideal (oversubscription), so at least one alert is always compared."""
     prom, _, _ = live_job
     signals = {"AutotuneCommComputeHigh": (f'autotune_comm_compute_ratio{{job="{JOB}"}}', 0.25),
                "AutotuneBubbleAboveIdeal": (f'job_trial:autotune_bubble_measured_ratio:avg{{job="{JOB}"}} - on (job, '
                                             f'trial) job_trial:autotune_bubble_ideal_ratio:max{{job="{JOB}"}}', 0.1)}
-    active = {a["labels"]["alertname"] for a in prom.api("alerts")["alerts"]}
+    rules = {r["name"]: r for g in prom.api("rules", type="alert")["groups"] for r in g["rules"]}
     compared = []
     for alert, (expr, threshold) in signals.items():
-        values = [float(s["value"][1]) for s in prom.query(expr)]
+        rule = rules[alert]
+        seen = prom.api("query", query=expr, time=rule["lastEvaluation"])["result"]
+        values = [float(s["value"][1]) for s in seen]
         if not values or any(abs(v - threshold) < DECIDED for v in values):
             continue
         compared.append(alert)
-        assert (alert in active) == any(v > threshold for v in values), (alert, values, active)
+        assert bool(rule["alerts"]) == any(v > threshold for v in values), (alert, values, rule["alerts"])
     assert compared, "every alert's signal sat at its threshold"
-    assert "AutotuneMemoryFragmentationHigh" not in active  # not available on CPU
+    assert not rules["AutotuneMemoryFragmentationHigh"]["alerts"]  # not available on CPU
 
 
 def test_run_finished_and_controller_counted_both_trials(live_job):

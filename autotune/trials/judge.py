@@ -15,11 +15,11 @@ from pathlib import Path
 from autotune.core.errors import InputFileError
 from autotune.core.step_budget import read_record
 from autotune.core.summary import TrialSummary, summarize_columns
+from autotune.core.trial_result import STATUS_FAILED, STATUS_OK, TrialResult
 from autotune.loaders.metrics import read_trial_columns
 from autotune.rank.workload.train import EXIT_LOSS_SCALE, EXIT_NONFINITE_LOSS, EXIT_OOM
 from autotune.trials.hangs import read_hang
 from autotune.trials.launcher import LaunchOutcome
-from autotune.tuning.proposers.base import STATUS_FAILED, STATUS_OK, TrialResult
 
 OOM_PATTERN = re.compile(r"out of memory|OutOfMemoryError|CUDA error: out of memory", re.I)
 MISSING_PATTERN = re.compile(r"No module named '?deepspeed|can't open file .*train\.py")

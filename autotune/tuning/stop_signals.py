@@ -44,16 +44,20 @@ class Stopped(KeyboardInterrupt):
         return exit_code(self.signum)
 
 
-def ignore_stop_signals() -> None:
-    """Ignore later SIGINT/SIGTERM: the clean-up after a stop is not cut short."""
-    for sig in STOP_SIGNALS:
-        signal.signal(sig, signal.SIG_IGN)
+Handlers = dict[signal.Signals, Any]
 
 
-def default_stop_signals() -> None:
-    """SIGINT/SIGTERM end the process again (after a clean-up, with nothing left to protect)."""
-    for sig in STOP_SIGNALS:
-        signal.signal(sig, signal.SIG_DFL)
+def ignore_stop_signals() -> Handlers:
+    """Ignore later SIGINT/SIGTERM: the clean-up after a stop is not cut short. Returns the
+    handlers it replaced, for `restore_stop_signals`."""
+    return {sig: signal.signal(sig, signal.SIG_IGN) for sig in STOP_SIGNALS}
+
+
+def restore_stop_signals(previous: Handlers) -> None:
+    """The handlers from before `ignore_stop_signals` (after a clean-up, with nothing left to
+    protect): not SIG_DFL, which would take Python's KeyboardInterrupt from a caller that had it."""
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)
 
 
 @contextmanager

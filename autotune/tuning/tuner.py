@@ -27,6 +27,7 @@ from autotune.core.noise import NOISE_MARGIN
 from autotune.core.space import SearchSpace, TrialConfig
 from autotune.core.summary import TrialSummary
 from autotune.core.trial_kind import BASELINE
+from autotune.core.trial_result import STATUS_FAILED, STATUS_OK, TrialResult
 from autotune.study.results import StudyResults
 from autotune.study.store import STATUS_INTERRUPTED, STATUS_RUNNING, Study, TrialRow
 from autotune.trials.contract import Incumbent, Runner, TrialRequest
@@ -40,7 +41,7 @@ from autotune.trials.launcher import (
 from autotune.trials.limits import TrialLimits, limits_for
 from autotune.tuning import search_stop
 from autotune.tuning.callbacks import StudyOutputs
-from autotune.tuning.proposers.base import STATUS_FAILED, STATUS_OK, Proposal, Proposer, TrialResult
+from autotune.tuning.proposers.base import Proposal, Proposer
 from autotune.tuning.steps import SettingStep, TrialEnd, TunerCallback
 from autotune.tuning.stop_signals import Stopped, ignore_stop_signals, stop_on_signals
 

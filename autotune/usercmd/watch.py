@@ -36,8 +36,8 @@ from autotune.trials.multinode import resolve_cluster, stop_on_nodes
 from autotune.trials.user_command import CommandProcess, multi_node_command, rank_env, read_markers
 from autotune.tuning.stop_signals import (
     Stopped,
-    default_stop_signals,
     ignore_stop_signals,
+    restore_stop_signals,
     stop_on_signals,
 )
 from autotune.tuning.validation import validate_endpoints
@@ -253,14 +253,14 @@ class Watch:
                     raise UserError(error)
                 rc = self._loop(proc, echo)
         except Stopped as stop:
-            ignore_stop_signals()  # the clean-up is not cut short (leaving the block restored the handlers)
+            previous = ignore_stop_signals()  # the clean-up is not cut short (leaving the block restored the handlers)
             try:
                 proc.stop(grace=5.0)  # the whole group: launcher, ranks, their endpoint children
                 self.stop_nodes()  # and the other nodes' ranks (sshd's children there)
                 echo.pump(final=True)
             finally:
                 self._close()
-                default_stop_signals()
+                restore_stop_signals(previous)
             note(f"watch: stopped ({stop.name}): every rank of the job was stopped; "
                  f"metrics so far in {self.run_dir}")
             return stop.exit_code

@@ -11,14 +11,14 @@ implements it; the tuning loop and the benchmark only talk to this interface.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from autotune.core.space import SearchSpace, TrialConfig
 from autotune.core.trial_kind import TrialKind
+from autotune.core.trial_result import STATUS_FAILED, STATUS_OK, TrialResult
 
-STATUS_OK = "ok"
-STATUS_FAILED = "failed"
+__all__ = ["STATUS_FAILED", "STATUS_OK", "Proposal", "Proposer", "TrialResult"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -32,23 +32,6 @@ class Proposal:
     def kind(self) -> TrialKind:
         """The typed kind of the trial (autotune/core/trial_kind.py)."""
         return TrialKind.of(self.source)
-
-
-@dataclass(kw_only=True, slots=True)
-class TrialResult:
-    status: str
-    """"ok" or "failed"."""
-    samples_per_second: float = 0.0
-    """Median throughput; 0 for failed trials."""
-    failure_reason: str | None = None
-    """Classified reason for a failed trial: oom, timeout, crash, nan, no_metrics, ..."""
-    summary: object | None = None
-    """The trial's TrialSummary when available (rules read it)."""
-    extra: dict = field(default_factory=dict)
-
-    @property
-    def ok(self) -> bool:
-        return self.status == STATUS_OK
 
 
 @runtime_checkable
