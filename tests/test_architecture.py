@@ -113,6 +113,16 @@ def test_a_trial_knows_nothing_of_the_tuner():
     assert {m: v for m, v in bad.items() if v} == {}
 
 
+def test_the_study_reads_its_records_without_the_features_that_write_them():
+    """study/ (the store, the results, the outputs) reads partition.json and the job's record
+    through its own readers (partition_record.py, job_record.py), not the partition step's or
+    the user command's modules."""
+    bad = {m: sorted(i for i in _imports(m, module_level_only=False)
+                     if i.startswith(("autotune.tuning", "autotune.usercmd")))
+           for m in MODULES if m.startswith("autotune.study")}
+    assert {m: v for m, v in bad.items() if v} == {}
+
+
 def test_the_core_reaches_exporters_only_where_it_wires_them():
     users = {m for m in MODULES if m.startswith("autotune")
              and any(i.startswith("exporters") for i in _imports(m, module_level_only=False))}

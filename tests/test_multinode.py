@@ -395,3 +395,24 @@ def test_a_hostfile_naming_this_machine_goes_through_deepspeeds_hostfile_path(tm
     log = (trial / "launcher.log").read_text()
     assert "Unable to find hostfile" not in log  # DeepSpeed read it (it warns when it does not)
     assert sorted(p.name for p in trial.glob("metrics-rank*.csv")) == [f"metrics-rank{r}.csv" for r in range(4)]
+
+
+@pytest.mark.parametrize("where", ["autotune", "command"])
+def test_the_partition_step_knows_the_users_ranks_span_nodes_wherever_the_hostfile_was_given(tmp_path, where):
+    """`autotune run --hostfile hf -- deepspeed ...` and `autotune run -- deepspeed --hostfile hf ...`
+    place the same ranks: the partition step must not read the cores as shared in either case (it
+    read only the command's own options, so autotune's --hostfile left it believing one machine)."""
+    from autotune.core.options import RunOptions
+    from autotune.usercmd.job import UserJob
+
+    hf = _hostfile(tmp_path, TWO_NODES)
+    own = ["--hostfile", hf] if where == "command" else []
+    job = UserJob(argv=["deepspeed", *own, str(REPO / "examples" / "pipeline_train.py"), "--deepspeed_config",
+                        "ds.json"], cwd=str(REPO), parameters=1000, pipeline_stages=2, data_parallel_size=2)
+    opts = RunOptions()
+    opts.workload.balance_stages = True
+    opts.workload.hostfile = hf if where == "autotune" else None
+    steps = job.steps(opts, None, None, root=tmp_path, note=lambda text: None, noise=0.1, cluster=None)
+    assert [type(s).__name__ for s in steps] == ["StageBalancer"] and steps[0].multi_node
+    _, cluster = job.launch(opts)
+    assert cluster is not None and cluster.multi_node  # the runner's trials run on the same two nodes

@@ -84,7 +84,7 @@ def _print_outcome(results: StudyResults, study: str) -> None:
     if base and base.samples_per_second and results.speedup:
         click.echo(f"baseline: {base.samples_per_second:.1f} samples/s; "
                    f"speed-up {results.speedup:.2f}x")
-    from autotune.tuning.balance import describe_result
+    from autotune.study.partition_record import describe_result
 
     partition = describe_result(results.partition)  # --balance-stages: what the code needs
     if partition:

@@ -165,7 +165,7 @@ def gather_study(study: Study) -> StudyReport:
         if t.status == STATUS_OK and t.samples_per_second and t.number not in stale:
             measurements.setdefault(t.config.key(), []).append(t.samples_per_second)
     space = _meta(study, "space")
-    from autotune.usercmd.job import META_KEY
+    from autotune.study.job_record import META_KEY
 
     report = StudyReport(
         root=study.root, settings=_meta(study, "settings"), space=space,

@@ -204,7 +204,7 @@ def _facts(r: StudyReport) -> str:
     rows.append(("Tuned", knobs + (f": {space['description']}" if space.get("description") else "")))
     if wl:
         device = next((rk.device for d in r.steps.values() for rk in d.ranks if rk.device), "")
-        from autotune.usercmd.job import describe_job
+        from autotune.study.job_record import describe_job
 
         on = [describe_job(r.user_command, wl), f"device {device}" if device else ""]  # command or preset
         rows.append(("On", ", ".join(p for p in on if p)

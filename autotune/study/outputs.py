@@ -10,9 +10,9 @@ import json
 
 from autotune.core.fileio import write_atomic
 from autotune.core.space import TrialConfig
+from autotune.study.partition_record import describe_result
 from autotune.study.results import StudyResults
 from autotune.study.store import Study
-from autotune.tuning.balance import describe_result
 
 
 def write_outputs(study: Study, results: StudyResults, best_ds_config: dict | None) -> None:
@@ -27,7 +27,7 @@ def render_markdown(results: StudyResults) -> str:
     lines = ["# autotune report", ""]
     best, base = results.best, results.baseline
     if results.user_command or results.workload:
-        from autotune.usercmd.job import describe_job
+        from autotune.study.job_record import describe_job
 
         job = describe_job(results.user_command, results.workload, quote=lambda c: f"`{c}`")
         if job:

@@ -35,7 +35,7 @@ class StudyResults:
     speedup: float | None
     """The best's mean samples/s over the baseline's; None unless the baseline succeeded with a throughput."""
     job: str
-    """The job in words (autotune/usercmd/job.py `describe_job`)."""
+    """The job in words (autotune/study/job_record.py `describe_job`)."""
     user_command: Any
     """The user's command and what its start-up check read (meta `user_command`); None: built-in."""
     workload: Any
@@ -46,7 +46,7 @@ class StudyResults:
     stopped: Any
     """Why the search stopped before the budget (autotune/tuning/search_stop.py); None: it did not."""
     partition: dict[str, Any] | None
-    """--balance-stages: the parts the best needs (autotune/tuning/balance.py `read_result`)."""
+    """--balance-stages: the parts the best needs (autotune/study/partition_record.py `read_result`)."""
 
     @property
     def ok(self) -> list[TrialRow]:
@@ -80,9 +80,9 @@ class StudyResults:
 def read_results(study: Study, *, meta: Callable[[str], Any] | None = None) -> StudyResults:
     """The study's results now. `meta(key)` reads a stored value (default `study.get_meta_json`,
     which raises on a damaged one; the report passes a reader that answers None instead)."""
+    from autotune.study.job_record import META_KEY, describe_job
     from autotune.study.measurements import best_of
-    from autotune.tuning.balance import read_result
-    from autotune.usercmd.job import META_KEY, describe_job
+    from autotune.study.partition_record import read_result
 
     read = meta or study.get_meta_json
     trials = study.trials()  # one snapshot: a live run may finish a trial meanwhile

@@ -67,6 +67,7 @@ from autotune.core.partition import (
 from autotune.core.space import TrialConfig
 from autotune.core.trial_kind import Step, TrialKind
 from autotune.study.measurements import COSTS, RECHECK, REFERENCE, SOURCE
+from autotune.study.partition_record import RESULT_NAME, at_config, describe_result, read_result  # noqa: F401  (read there)
 from autotune.trials.contract import TrialRequest
 from autotune.tuning.proposers.base import Proposal
 from autotune.tuning.steps import TrialEnd
@@ -82,7 +83,6 @@ recheck reads a tie (two warm runs of identical parts read 0.95-1.07 of each oth
 docs/partition.md), and the round spends 2-4 trials to keep or drop parts on a coin toss. The
 whole margin would be too much: a round starts above `THRESHOLD` (1.10), so at 1.10-1.15 a
 perfect partition gains only 5-10 %, and such rounds measured +8-11 % (docs/partition.md)."""
-RESULT_NAME = "partition.json"
 
 
 def work_imbalance(summary: Any) -> float:
@@ -144,66 +144,6 @@ def builtin_equivalent(parts: list[int], costs: list[float], parameters: list[in
                 "docs/partition.md (\"Keeping the result in your own code\")")
     return {"method": same[0] if same else None, "parts": list(parts), "builtin_parts": builtin,
             "builtin_predicted_imbalance": predicted, "text": text}
-
-
-def read_result(study_root: str | Path) -> dict[str, Any] | None:
-    """partition.json of a study (None: no partition step ran, or the file is unreadable)."""
-    try:
-        info = json.loads((Path(study_root) / RESULT_NAME).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return info if isinstance(info, dict) else None
-
-
-def describe_result(info: dict[str, Any] | None) -> str | None:
-    """One line for the end of a run and report.md: the decision and what to write in the code."""
-    if not info:
-        return None
-    if not info.get("rounds"):  # no round ran: say why, where the layer costs said so
-        return f"partition: {info['no_round']}" if info.get("no_round") else None
-    line = _describe_rounds(info)
-    shared = info.get("cores_shared")
-    if line and shared:
-        line += (f" ({shared['ranks']} ranks shared {shared['cores']} cores: throughput followed the stages' "
-                 "summed work, not the slowest stage)")
-    return line
-
-
-def _describe_rounds(info: dict[str, Any]) -> str | None:
-    if info.get("parts") is not None:
-        last = next(r for r in reversed(info["rounds"]) if r.get("kept"))
-        advice = info.get("in_your_code") or {}
-        code = advice.get("text") or f"PARTS = {info['parts']} (docs/partition.md)"
-        needs = "" if advice.get("method") == "own" else "the best configuration needs it: "
-        return (f"partition: parts {info['parts']} kept (trial {last.get('trial')}{_at(last)}, work imbalance "
-                f"{_from_imbalance(info, last):.2f} -> {last.get('measured_imbalance') or 0:.2f}, "
-                f"{_reference_sps(info, last):.1f} -> {last.get('samples_per_second') or 0:.1f}"
-                f" samples/s{_runs(last)}); {needs}{code}")
-    tried = info["rounds"][-1]
-    if tried.get("trial") is None:
-        return None
-    return (f"partition: parts {tried['parts']} measured {tried.get('samples_per_second') or 0:.1f} against "
-            f"{_reference_sps(info, tried):.1f} samples/s{_at(tried)}{_runs(tried)} (work imbalance "
-            f"{_from_imbalance(info, tried):.2f} -> {tried.get('measured_imbalance') or 0:.2f}); not kept: "
-            f"{info.get('method', 'the script')} partition stays, nothing to change in the code")
-
-
-def _at(r: dict[str, Any]) -> str:
-    c = r.get("config")
-    return f", at micro {c['micro_batch_size']} GAS {c['gradient_accumulation_steps']}" if c else ""
-
-
-def _runs(r: dict[str, Any]) -> str:
-    n = len(r.get("trials") or [])
-    return f", means of {n} runs each" if n > 1 else ""
-
-
-def _from_imbalance(info: dict[str, Any], r: dict[str, Any]) -> float:
-    return float(r.get("from_imbalance") or info.get("measured_imbalance") or 0.0)
-
-
-def _reference_sps(info: dict[str, Any], r: dict[str, Any]) -> float:
-    return float(r.get("reference_samples_per_second") or info.get("baseline_samples_per_second") or 0.0)
 
 
 def _config_fields(config: TrialConfig) -> dict[str, Any]:
@@ -373,7 +313,7 @@ class StageBalancer:
         gain = max(stage_times(lc.costs, lc.parts, lc.stage_fixed_seconds)) / max(after) - 1.0
         if parts == lc.parts or gain <= self.noise * GAIN_OF_NOISE:
             text = no_gain_text(lc.names, lc.costs, lc.parts, parts, lc.stage_fixed_seconds,
-                                margin=self.noise * GAIN_OF_NOISE, lead=f"no round{_at({'config': _config_fields(config)})}",
+                                margin=self.noise * GAIN_OF_NOISE, lead=f"no round{at_config({'config': _config_fields(config)})}",
                                 keep="keep what you have" if self.kept is None else
                                 f"the parts kept earlier, {self.kept}, stay")
             self.note(f"      partition: {text}")

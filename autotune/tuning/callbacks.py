@@ -85,7 +85,9 @@ class LiveMetricsCallback:
 
 class StudyOutputs:
     """summary.json, best_ds_config.json and report.md (autotune/study/outputs.py), written after
-    every trial, so that a killed run leaves its best configuration so far."""
+    every trial, so that a killed run leaves its best configuration so far. Not a callback: the
+    tuner writes them after the steps and the proposer have learnt from the trial, and once more
+    at the end, where its result carries them."""
 
     def __init__(self, study: Study, runner: Runner) -> None:
         self.study, self.runner = study, runner
@@ -95,12 +97,3 @@ class StudyOutputs:
         best_cfg = self.runner.ds_config_for(results.best.config) if results.best else None
         write_outputs(self.study, results, best_cfg)
         return results
-
-    def trial_started(self, number: int, proposal: Proposal) -> None:
-        """Nothing to write before the trial ends."""
-
-    def trial_finished(self, end: TrialEnd, outcome: TrialOutcome, rules_fired: list[str]) -> None:
-        self.write()
-
-    def run_ended(self) -> None:
-        """The tuner writes the last outputs itself: its result carries them."""

@@ -257,7 +257,7 @@ class Tuner:
         self._held[number] = (cfg, result)
         self._tell_settled()
         self._check_startup_hang(outcome)
-        self.outputs.trial_finished(end, outcome, fired)  # last: after the steps and the proposer
+        self.outputs.write()  # last: after the steps and the proposer
 
     def _tell_settled(self) -> None:
         """Tell the proposer the held results, unless the partition step or knob sweep is still deciding.

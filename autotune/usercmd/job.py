@@ -22,7 +22,6 @@ data-parallel size, micro-batch and GAS) are stored in the study (meta key
 from __future__ import annotations
 
 import json
-import shlex
 import shutil
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -32,14 +31,11 @@ from typing import Any
 from autotune.core.dsconfig import DsConfig, load_ds_config
 from autotune.core.errors import UserError
 from autotune.core.space import SearchSpace
+from autotune.study.job_record import COMMAND_SHOWN, META_KEY, describe_job, short_command  # noqa: F401  (their home: the study's record)
 from autotune.trials.multinode import resolve_cluster
 from autotune.trials.precision import check_precision
 from autotune.trials.user_command import PROBE_TIMEOUT, UserCommandRunner, probe_shape
 from autotune.usercmd.command import UserCommand, check_launcher_installed, parse_command
-
-META_KEY = "user_command"
-COMMAND_SHOWN = 160
-"""Characters of the command the run's header and the reports show; a longer one is cut after a word."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -71,7 +67,7 @@ class UserJob:
                cluster: Any = None) -> UserCommandRunner:
         """The command's own launcher options place its ranks (`cluster` is the built-in's)."""
         wl = opts.workload
-        command = with_autotune_launcher_options(self.command(), opts)
+        command, own_cluster = self.launch(opts)
         parts = None
         if wl.partition_method.startswith("parts:"):  # the job's own method is overridden (docs/partition.md)
             from autotune.core.partition import parse_parts
@@ -87,7 +83,13 @@ class UserJob:
                                  metrics_port=wl.metrics_port, metrics_addr=wl.metrics_addr,
                                  layer_costs=wl.layer_costs, parts=parts, knobs=knobs,
                                  step_length=(wl.adaptive_steps, wl.step_precision, wl.step_cap),
-                                 cluster=resolve_cluster(command.cluster_options(), None, check_hosts=False))
+                                 cluster=own_cluster)
+
+    def launch(self, opts: Any) -> tuple[UserCommand, Any]:
+        """The command as its trials run it (autotune's launcher options joined to its own) and
+        the nodes those options place its ranks on (None: this machine alone)."""
+        command = with_autotune_launcher_options(self.command(), opts)
+        return command, resolve_cluster(command.cluster_options(), None, check_hosts=False)
 
     def space(self, opts: Any, base: DsConfig) -> SearchSpace:
         """The run's space with the user's model size bounding the bucket range (not a preset's)."""
@@ -112,13 +114,12 @@ class UserJob:
               noise: float, cluster: Any) -> list[Any]:
         """The partition step (its parts forced on the script's PipelineModule) and the knob sweep."""
         steps: list[Any] = []
-        command = self.command()
+        command, own_cluster = self.launch(opts)  # the same nodes the runner's trials run on
         if opts.workload.balance_stages:
             from autotune.tuning.balance import StageBalancer
 
-            own = resolve_cluster(command.cluster_options(), None, check_hosts=False)
             steps.append(StageBalancer(root, note, method=None, noise=noise,
-                                       multi_node=own is not None and own.multi_node))
+                                       multi_node=own_cluster is not None and own_cluster.multi_node))
         if opts.knobs:
             from autotune.usercmd.knobs import KnobSweep, parse_knobs
 
@@ -178,53 +179,6 @@ def prepare_user_job(opts: Any, argv: list[str], note: Callable[[str], None]) ->
     return UserJob(argv=list(argv), cwd=str(cwd), parameters=shape.parameters, pipeline_stages=shape.stages,
                    data_parallel_size=shape.data_parallel_size, micro_batch_size=shape.micro_batch_size,
                    gradient_accumulation_steps=shape.gradient_accumulation_steps)
-
-
-def short_command(argv: list[str], limit: int = COMMAND_SHOWN) -> str:
-    """The command as typed (shell-quoted where a word needs it); past `limit` characters cut after a
-    word, with how many arguments were left out. The first word is always shown."""
-    words = [shlex.quote(str(w)) for w in argv]
-    text = " ".join(words)
-    if len(text) <= limit:
-        return text
-    kept: list[str] = []
-    for word in words:
-        if kept and len(" ".join([*kept, word])) > limit - 24:  # room for " ... (NN more arguments)"
-            break
-        kept.append(word)
-    left = len(words) - len(kept)
-    if not left:  # one long word
-        return text
-    return " ".join(kept) + f" ... ({left} more argument{'' if left == 1 else 's'})"
-
-
-def describe_job(user_command: dict[str, Any] | None, workload: dict[str, Any] | None,
-                 quote: Callable[[str], str] = str) -> str:
-    """What a study ran, in words: the user's command and what its start-up check read, or the
-    built-in workload's preset; for the run's header, summary.json, report.md and report.html.
-
-    `user_command` is the study's stored meta (`META_KEY`), `workload` its workload options. A
-    study stored before a field says what it has (stages and dp are then the workload's, which
-    the check set); `quote` marks the command (report.md: as code).
-    """
-    wl = workload or {}
-    uc = user_command or {}
-    stages = uc.get("pipeline_stages") or wl.get("pipeline_stages")
-    dp = uc.get("data_parallel_size") or wl.get("data_parallel_size")
-    layout = (f"{stages} pipeline stages x {dp} data-parallel = {stages * dp} ranks"
-              if isinstance(stages, int) and isinstance(dp, int) else "")
-    if not uc.get("argv"):
-        return ", ".join(p for p in (f"workload {wl['preset']}" if wl.get("preset") else "", layout) if p)
-    facts = []
-    if isinstance(uc.get("parameters"), int):
-        facts.append(f"{uc['parameters']:,} parameters")
-    facts.append(layout)
-    micro, gas = uc.get("micro_batch_size"), uc.get("gradient_accumulation_steps")
-    if micro and gas:
-        facts.append(f"micro-batch {micro} x GAS {gas} in its config")
-    facts = [f for f in facts if f]
-    checked = f" (start-up check: {', '.join(facts)})" if facts else ""
-    return f"the command {quote(short_command(uc['argv']))}{checked}"
 
 
 def with_autotune_launcher_options(cmd: UserCommand, opts: Any) -> UserCommand:
