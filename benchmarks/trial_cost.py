@@ -5,7 +5,7 @@ time its trials spend in their warm-up and measured steps (13.5x with a fresh la
 per trial), and picks a configuration as good as the fresh run's.
 
     .venv/bin/python benchmarks/trial_cost.py [--budget 20] [--rounds 1] [--repeats 3] [--out DIR]
-    .venv/bin/python benchmarks/trial_cost.py --quick    # CI smoke run: 2 ranks, budget 3
+    .venv/bin/python benchmarks/trial_cost.py --quick    # CI smoke run: 2 ranks, budget 2
 
 Each round runs `autotune run` on the default demo once per mode (`--modes OLD NEW`,
 default `before now`: see MODE_ARGS), the order alternated from round to round so a
@@ -95,12 +95,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--modes", nargs=2, default=list(MODES), choices=list(MODE_ARGS), metavar="MODE",
                     help=f"the two ways to run, compared (default: {' '.join(MODES)}; any of {', '.join(MODE_ARGS)})")
-    ap.add_argument("--quick", action="store_true", help=f"budget 3, 1 round, 1 repeat, {QUICK_ARGS}")
+    ap.add_argument("--quick", action="store_true", help=f"budget 2, 1 round, 1 repeat, {QUICK_ARGS}")
     args = ap.parse_args(argv)
     modes = tuple(args.modes)
     extra = QUICK_ARGS if args.quick else []
     if args.quick:
-        args.budget, args.rounds, args.repeats = 3, 1, 1
+        args.budget, args.rounds, args.repeats = 2, 1, 1  # the baseline and one more: each code path once
     out = Path(args.out or tempfile.mkdtemp(prefix="autotune-trial-cost-"))
     out.mkdir(parents=True, exist_ok=True)
     runs: list[dict] = []
