@@ -39,7 +39,7 @@ import numpy as np
 
 from autotune.core.space import SearchSpace, TrialConfig
 from autotune.core.summary import RankSummary, TrialSummary, ideal_bubble_fraction
-from autotune.tuning.proposers.base import STATUS_FAILED, STATUS_OK, TrialResult
+from autotune.core.trial_result import STATUS_FAILED, STATUS_OK, TrialResult
 
 DEFAULT_BUCKET = 500_000_000
 """DeepSpeed's reduce_bucket_size default (elements), also the hard-coded ZeRO-0 bucket."""

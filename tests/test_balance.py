@@ -15,6 +15,7 @@ from autotune.core.options import WorkloadOptions
 from autotune.core.space import TrialConfig
 from autotune.rank.layer_costs import rows_to_csv
 from autotune.study.measurements import superseded
+from autotune.study.partition_record import describe_result
 from autotune.trials.builtin import BuiltinRunner
 from autotune.tuning.balance import (
     COSTS,
@@ -22,7 +23,6 @@ from autotune.tuning.balance import (
     REFERENCE,
     SOURCE,
     StageBalancer,
-    describe_result,
 )
 from autotune.tuning.proposers.base import Proposal
 

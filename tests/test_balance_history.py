@@ -18,13 +18,14 @@ from builders import RecordingDisplay, ScriptedRunner, healthy_summary
 from autotune.core.dsconfig import DsConfig
 from autotune.core.options import WorkloadOptions
 from autotune.core.space import SearchSpace, TrialConfig
+from autotune.core.trial_result import STATUS_OK, TrialResult
 from autotune.rank.layer_costs import rows_to_csv
 from autotune.study.measurements import superseded
+from autotune.study.partition_record import describe_result
 from autotune.study.store import Study
 from autotune.trials.builtin import BuiltinRunner
 from autotune.trials.judge import TrialOutcome, failed
-from autotune.tuning.balance import COSTS, SOURCE, StageBalancer, describe_result
-from autotune.tuning.proposers.base import STATUS_OK, TrialResult
+from autotune.tuning.balance import COSTS, SOURCE, StageBalancer
 from autotune.tuning.proposers.hybrid import HybridProposer
 from autotune.tuning.tuner import Tuner
 

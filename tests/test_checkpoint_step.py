@@ -16,10 +16,11 @@ from builders import RecordingDisplay, ScriptedRunner, healthy_summary
 
 from autotune.core.dsconfig import DsConfig
 from autotune.core.space import SearchSpace, TrialConfig
+from autotune.core.trial_result import STATUS_OK, TrialResult
 from autotune.study.store import Study
 from autotune.trials.judge import TrialOutcome, failed
 from autotune.tuning.checkpoint_step import MAX_TRIALS, SOURCE, CheckpointStep
-from autotune.tuning.proposers.base import STATUS_OK, Proposal, TrialResult
+from autotune.tuning.proposers.base import Proposal
 from autotune.tuning.proposers.hybrid import HybridProposer
 from autotune.tuning.tuner import Tuner
 

@@ -69,7 +69,7 @@ def test_the_optimizer_imports_skopt_only_when_it_fits_and_after_the_preload():
     got = fresh_python("""
         import json, sys
         from autotune.tuning import preload
-        from autotune.tuning.proposers.base import STATUS_OK, TrialResult
+        from autotune.core.trial_result import STATUS_OK, TrialResult
         from autotune.tuning.proposers.registry import make_proposer
         from autotune.core.space import SearchSpace
         space = SearchSpace.build(pipeline_stages=2, data_parallel_size=2, zero_stage=1, micro_max=16,

@@ -13,7 +13,7 @@ from fake_nvml import FakeNvml
 
 from autotune.core.space import SearchSpace, TrialConfig
 from autotune.core.summary import summarize_trial
-from autotune.tuning.proposers.base import STATUS_FAILED, STATUS_OK, TrialResult
+from autotune.core.trial_result import STATUS_FAILED, STATUS_OK, TrialResult
 from autotune.tuning.proposers.feasibility import FeasibilityModel
 from exporters.devices import make_device_probe
 

@@ -38,7 +38,8 @@ from autotune.core.partition import (
 from autotune.core.space import TrialConfig
 from autotune.rank.hook import layer_classes
 from autotune.rank.layer_costs import rows_to_csv
-from autotune.tuning.balance import COSTS, SOURCE, StageBalancer, describe_result
+from autotune.study.partition_record import describe_result
+from autotune.tuning.balance import COSTS, SOURCE, StageBalancer
 from autotune.tuning.proposers.base import Proposal
 
 CFG = TrialConfig(micro_batch_size=2, gradient_accumulation_steps=4)

@@ -8,7 +8,8 @@ import math
 import pytest
 
 from autotune.core.space import SearchSpace, TrialConfig
-from autotune.tuning.proposers.base import STATUS_FAILED, STATUS_OK, Proposal, Proposer, TrialResult
+from autotune.core.trial_result import STATUS_FAILED, STATUS_OK, TrialResult
+from autotune.tuning.proposers.base import Proposal, Proposer
 from autotune.tuning.proposers.feasibility import FeasibilityModel
 from autotune.tuning.proposers.hybrid import HybridProposer
 from autotune.tuning.proposers.registry import make_proposer, names

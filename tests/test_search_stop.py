@@ -14,9 +14,9 @@ from click.testing import CliRunner
 
 from autotune.cli.main import cli
 from autotune.core.space import SearchSpace, TrialConfig
+from autotune.core.trial_result import STATUS_OK, TrialResult
 from autotune.study.store import Study
 from autotune.trials.judge import TrialOutcome
-from autotune.tuning.proposers.base import STATUS_OK, TrialResult
 from autotune.tuning.proposers.convergence import expected_improvement, noise_estimate
 from autotune.tuning.proposers.history import History
 from autotune.tuning.proposers.hybrid import HybridProposer

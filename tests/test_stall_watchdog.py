@@ -14,12 +14,12 @@ import pytest
 from builders import RecordingDisplay, ScriptedRunner
 
 from autotune.core.space import TrialConfig
+from autotune.core.trial_result import TrialResult
 from autotune.rank.watchdog import STEP_FLOOR_SECONDS, StallLimits, Watchdog, building_op
 from autotune.study.store import STATUS_OK, Study
 from autotune.trials.hangs import read_hang, where_hung
 from autotune.trials.judge import TrialOutcome, failed
 from autotune.trials.limits import FIRST_TIMEOUT, STARTUP_BEFORE_MEASURED, limits_for
-from autotune.tuning.proposers.base import TrialResult
 from autotune.tuning.tuner import StartupStalls
 
 WAIT_ON_LOCK = """

@@ -94,8 +94,8 @@ def _finished_user_study(job: Path, stored_facts: dict) -> tuple[Path, list[str]
     from html_study import CFGS, SPACE, ok_trial
 
     from autotune.core.options import RunOptions
+    from autotune.study.job_record import META_KEY
     from autotune.study.store import Study
-    from autotune.usercmd.job import META_KEY
 
     (job / "ds.json").write_text(json.dumps({
         "train_batch_size": 32, "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 16,
@@ -171,7 +171,7 @@ def test_report_html_on_line_names_the_users_command(finished_run):
 
 
 def test_a_very_long_command_is_cut_after_a_word_saying_how_much_was_left_out():
-    from autotune.usercmd.job import COMMAND_SHOWN, describe_job, short_command
+    from autotune.study.job_record import COMMAND_SHOWN, describe_job, short_command
 
     argv = ["deepspeed", "--num_gpus", "8", "train.py", "--name", "a b"] + [f"--flag{i}=" + "x" * 20 for i in range(12)]
     shown = short_command(argv)

@@ -69,7 +69,7 @@ def test_the_outputs_name_the_users_command_and_what_its_start_up_check_read(loa
     """Not the built-in preset (`workload tiny`): the header, summary.json, report.md, report.html."""
     import re
 
-    from autotune.usercmd.job import short_command
+    from autotune.study.job_record import short_command
 
     _, study, command, proc = loader_study
     db = sqlite3.connect(study / "study.db")

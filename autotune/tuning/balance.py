@@ -67,7 +67,7 @@ from autotune.core.partition import (
 from autotune.core.space import TrialConfig
 from autotune.core.trial_kind import Step, TrialKind
 from autotune.study.measurements import COSTS, RECHECK, REFERENCE, SOURCE
-from autotune.study.partition_record import RESULT_NAME, at_config, describe_result, read_result  # noqa: F401  (read there)
+from autotune.study.partition_record import RESULT_NAME, at_config
 from autotune.trials.contract import TrialRequest
 from autotune.tuning.proposers.base import Proposal
 from autotune.tuning.steps import TrialEnd

@@ -31,7 +31,7 @@ from typing import Any
 from autotune.core.dsconfig import DsConfig, load_ds_config
 from autotune.core.errors import UserError
 from autotune.core.space import SearchSpace
-from autotune.study.job_record import COMMAND_SHOWN, META_KEY, describe_job, short_command  # noqa: F401  (their home: the study's record)
+from autotune.study.job_record import META_KEY, describe_job
 from autotune.trials.multinode import resolve_cluster
 from autotune.trials.precision import check_precision
 from autotune.trials.user_command import PROBE_TIMEOUT, UserCommandRunner, probe_shape

@@ -16,9 +16,7 @@ from typing import Protocol, runtime_checkable
 
 from autotune.core.space import SearchSpace, TrialConfig
 from autotune.core.trial_kind import TrialKind
-from autotune.core.trial_result import STATUS_FAILED, STATUS_OK, TrialResult
-
-__all__ = ["STATUS_FAILED", "STATUS_OK", "Proposal", "Proposer", "TrialResult"]
+from autotune.core.trial_result import TrialResult
 
 
 @dataclass(kw_only=True, slots=True)

@@ -9,7 +9,8 @@ from __future__ import annotations
 import numpy as np
 
 from autotune.core.space import SearchSpace, TrialConfig
-from autotune.tuning.proposers.base import Proposal, TrialResult
+from autotune.core.trial_result import TrialResult
+from autotune.tuning.proposers.base import Proposal
 from autotune.tuning.proposers.history import History
 from autotune.tuning.proposers.pool import clamp_bucket, unexplored, valid_pairs
 

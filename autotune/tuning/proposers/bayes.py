@@ -31,8 +31,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from autotune.core.space import SearchSpace, TrialConfig
+from autotune.core.trial_result import TrialResult
 from autotune.tuning import preload
-from autotune.tuning.proposers.base import Proposal, TrialResult
+from autotune.tuning.proposers.base import Proposal
 from autotune.tuning.proposers.history import History
 from autotune.tuning.proposers.pool import candidate_pool, clamp_bucket, unexplored, valid_pairs
 

@@ -38,8 +38,8 @@ import math
 import numpy as np
 
 from autotune.core.space import SearchSpace, TrialConfig
+from autotune.core.trial_result import TrialResult
 from autotune.tuning import preload
-from autotune.tuning.proposers.base import TrialResult
 
 OOM_REASONS = frozenset({"oom", "out_of_memory", "cuda_oom"})
 

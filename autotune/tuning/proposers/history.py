@@ -10,7 +10,7 @@ import statistics
 from dataclasses import dataclass, field
 
 from autotune.core.space import SearchSpace, TrialConfig
-from autotune.tuning.proposers.base import TrialResult
+from autotune.core.trial_result import TrialResult
 
 
 @dataclass

@@ -46,8 +46,9 @@ from dataclasses import replace
 
 from autotune.core.noise import NOISE_MARGIN
 from autotune.core.space import SearchSpace, TrialConfig
+from autotune.core.trial_result import TrialResult
 from autotune.tuning.proposers import convergence
-from autotune.tuning.proposers.base import Proposal, TrialResult
+from autotune.tuning.proposers.base import Proposal
 from autotune.tuning.proposers.bayes import BayesProposer, Surrogate
 from autotune.tuning.proposers.feasibility import FeasibilityModel
 from autotune.tuning.proposers.pool import candidate_pool, valid_pairs

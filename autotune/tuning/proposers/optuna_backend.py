@@ -17,7 +17,8 @@ from optuna.distributions import FloatDistribution, IntDistribution
 from optuna.trial import FrozenTrial
 
 from autotune.core.space import SearchSpace, TrialConfig
-from autotune.tuning.proposers.base import Proposal, TrialResult
+from autotune.core.trial_result import TrialResult
+from autotune.tuning.proposers.base import Proposal
 from autotune.tuning.proposers.bayes import Encoding
 from autotune.tuning.proposers.history import History
 from autotune.tuning.proposers.pool import unexplored
