@@ -42,6 +42,8 @@ ALLOWED_IMPORT_FALLBACKS = {
     "exporters.devices",
     # A user's job run by another Python than autotune's: the rank says so and runs uninstrumented.
     "autotune.rank.bootstrap.sitecustomize",
+    # Without py-cpuinfo DeepSpeed asks lscpu itself: there is nothing to cache.
+    "autotune.rank.cpu_info",
 }
 
 

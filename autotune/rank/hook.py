@@ -123,6 +123,10 @@ def _patch(deepspeed: Any, state: _RankState) -> None:
     from autotune.rank.wiring import force_parts
 
     force_parts(state.settings.plan)  # before the script builds its PipelineModule
+    if state.settings.mode != MODE_WATCH:  # a trial, not the user's own run: the op load asks py-cpuinfo once
+        from autotune.rank import cpu_info
+
+        cpu_info.install()
     original = getattr(deepspeed, "initialize", None)
     if original is None or getattr(original, "_autotune_wrapped", False):
         return

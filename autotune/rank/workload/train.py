@@ -60,8 +60,12 @@ def startup_fault(spec: TrialSpec) -> None:
 
 
 def setup_process(threads: int) -> None:
-    """Once per rank process: torch's threads and DeepSpeed's process group."""
+    """Once per rank process: torch's threads, DeepSpeed's process group, py-cpuinfo's one answer."""
     import torch
+
+    from autotune.rank import cpu_info
+
+    cpu_info.install()  # before the first op load asks py-cpuinfo (autotune/rank/cpu_info.py)
 
     torch.set_num_threads(threads)
     import deepspeed
