@@ -120,12 +120,13 @@ def test_a_users_command_runs_past_a_planted_stale_lock(tmp_path, ext_copy):
     lock = _plant(ext_copy, "deepspeed_shm_comm", age=3600)
     command = ["deepspeed", "--num_gpus", "2", str(REPO / "examples" / "pipeline_train.py"),
                "--deepspeed_config", str(REPO / "examples" / "ds_config.json"), "--steps", "100000"]
-    out = autotune_cli("run", "--budget", "2", "--study", "st", "--steps", "2", "--warmup-steps", "1",
+    # budget 1: the lock is met and removed before the first trial's ranks load the op
+    out = autotune_cli("run", "--budget", "1", "--study", "st", "--steps", "2", "--warmup-steps", "1",
                        "--fixed-steps", "--no-metrics", "--", *command, cwd=tmp_path, env=_env(ext_copy),
                        timeout=RUN_LIMIT)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert f"removed a stale lock of torch's extension build: {lock}" in out.stdout + out.stderr
-    assert [(n, s) for n, s, *_ in _trials(tmp_path / "st")] == [(0, "ok"), (1, "ok")]
+    assert [(n, s) for n, s, *_ in _trials(tmp_path / "st")] == [(0, "ok")]
     assert not lock.exists()
 
 
