@@ -118,3 +118,18 @@ def test_deepspeed_op_builder_reads_the_cached_answer(tmp_path):
     assert second.stdout.splitlines()[-1] == first.stdout.splitlines()[-1]
     asked = _python(f"{trap}{flags}", tmp_path)  # without install() the trap fires: the test can fail
     assert asked.returncode != 0 and "py-cpuinfo was asked" in asked.stderr
+
+
+@pytest.mark.parametrize(("mode", "cached"), [("trial", True), ("probe", True), ("watch", False)])
+def test_the_users_command_gets_the_cache_in_trials_but_not_when_watched(tmp_path, mode, cached):
+    """The bootstrap installs it when the script imports deepspeed, except in `autotune watch`,
+    which leaves the user's own run as it is."""
+    code = ("import types, cpuinfo\n"
+            "from autotune.core.rank_plan import RankPlan\n"
+            "from autotune.rank import hook\n"
+            f"settings = hook.BootstrapSettings(plan=RankPlan(trial_dir={str(tmp_path)!r}), mode={mode!r})\n"
+            "hook._patch(types.SimpleNamespace(initialize=lambda *a, **k: None), hook._RankState(settings))\n"
+            "print(getattr(cpuinfo.get_cpu_info, 'autotune_cached', False))\n")
+    out = _python(code, tmp_path / "cache")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[-1] == str(cached)
