@@ -101,8 +101,9 @@ def _python(code: str, cache, **env) -> subprocess.CompletedProcess:
 
 
 def test_deepspeed_op_builder_reads_the_cached_answer(tmp_path):
-    """The real py-cpuinfo answers the first process; the next one's DeepSpeed builder flags come
-    from the cache (its py-cpuinfo is made to fail if asked) and are the same."""
+    """The real py-cpuinfo answers the first process; in the next one, whose py-cpuinfo is made to
+    fail if asked, DeepSpeed's builder trips that trap without the cache (so the check can fail)
+    and, with it, reads the same flags from the cache."""
     flags = ("from deepspeed.ops.op_builder.cpu import FusedAdamBuilder as B; b = B(); "
              "print(repr((b.cpu_arch(), b.simd_width())))")
     first = _python(f"from autotune.rank import cpu_info; assert cpu_info.install(); {flags}", tmp_path)
@@ -111,25 +112,34 @@ def test_deepspeed_op_builder_reads_the_cached_answer(tmp_path):
     import cpuinfo
 
     assert json.loads(entry.read_text())["flags"] == cpuinfo.get_cpu_info()["flags"]
-    trap = ("import cpuinfo\ndef refuse(): raise SystemExit('py-cpuinfo was asked')\n"
-            "cpuinfo.get_cpu_info = cpuinfo.cpuinfo.get_cpu_info = refuse\n")
-    second = _python(f"{trap}from autotune.rank import cpu_info; assert cpu_info.install(); {flags}", tmp_path)
+    second = _python(
+        "import cpuinfo\n"
+        "class Asked(BaseException): pass\n"  # not an Exception: DeepSpeed's fallback to lscpu must not catch it
+        "def refuse(): raise Asked()\n"
+        "cpuinfo.get_cpu_info = cpuinfo.cpuinfo.get_cpu_info = refuse\n"
+        "from deepspeed.ops.op_builder.cpu import FusedAdamBuilder as B\n"
+        "try:\n    B().cpu_arch()\nexcept Asked:\n    print('trap fired')\n"
+        f"from autotune.rank import cpu_info; assert cpu_info.install(); {flags}", tmp_path)
     assert second.returncode == 0, second.stderr
-    assert second.stdout.splitlines()[-1] == first.stdout.splitlines()[-1]
-    asked = _python(f"{trap}{flags}", tmp_path)  # without install() the trap fires: the test can fail
-    assert asked.returncode != 0 and "py-cpuinfo was asked" in asked.stderr
+    assert second.stdout.splitlines()[-2:] == ["trap fired", first.stdout.splitlines()[-1]]
 
 
 @pytest.mark.parametrize(("mode", "cached"), [("trial", True), ("probe", True), ("watch", False)])
-def test_the_users_command_gets_the_cache_in_trials_but_not_when_watched(tmp_path, mode, cached):
+def test_the_users_command_gets_the_cache_in_trials_but_not_when_watched(tmp_path, monkeypatch, mode, cached):
     """The bootstrap installs it when the script imports deepspeed, except in `autotune watch`,
-    which leaves the user's own run as it is."""
-    code = ("import types, cpuinfo\n"
-            "from autotune.core.rank_plan import RankPlan\n"
-            "from autotune.rank import hook\n"
-            f"settings = hook.BootstrapSettings(plan=RankPlan(trial_dir={str(tmp_path)!r}), mode={mode!r})\n"
-            "hook._patch(types.SimpleNamespace(initialize=lambda *a, **k: None), hook._RankState(settings))\n"
-            "print(getattr(cpuinfo.get_cpu_info, 'autotune_cached', False))\n")
-    out = _python(code, tmp_path / "cache")
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.split()[-1] == str(cached)
+    which leaves the user's own run as it is. In this process: py-cpuinfo is restored afterwards,
+    and the parts hook (which would patch the real DeepSpeed) is left out."""
+    import types
+
+    import cpuinfo
+
+    from autotune.core.rank_plan import RankPlan
+    from autotune.rank import hook, wiring
+
+    monkeypatch.setattr(cpuinfo, "get_cpu_info", cpuinfo.get_cpu_info)
+    monkeypatch.setattr(cpuinfo.cpuinfo, "get_cpu_info", cpuinfo.cpuinfo.get_cpu_info)
+    monkeypatch.setattr(wiring, "force_parts", lambda plan: None)
+    monkeypatch.setenv("AUTOTUNE_CACHE_DIR", str(tmp_path))
+    settings = hook.BootstrapSettings(plan=RankPlan(trial_dir=str(tmp_path)), mode=mode)
+    hook._patch(types.SimpleNamespace(initialize=lambda *a, **k: None), hook._RankState(settings))
+    assert getattr(cpuinfo.get_cpu_info, "autotune_cached", False) is cached

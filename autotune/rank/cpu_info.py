@@ -100,8 +100,10 @@ def install() -> bool:
         import cpuinfo
     except ImportError:
         return False
-    if key is None or getattr(cpuinfo.get_cpu_info, "autotune_cached", False):
-        return key is not None
+    if key is None:
+        return False
+    if getattr(cpuinfo.get_cpu_info, "autotune_cached", False):
+        return True  # already installed in this process
     ask = cpuinfo.get_cpu_info
     path = cache_dir() / f"cpu-info-{key}.json"
 
