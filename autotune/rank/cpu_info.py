@@ -74,6 +74,9 @@ def cached_answer(ask: Callable[[], dict[str, Any]], path: Path) -> dict[str, An
             return stored
         answer = ask()
         if answer.get("flags"):  # py-cpuinfo answers {} when its subprocess failed: not kept
+            # Not core.fileio.write_atomic: its crash seam counts a process's writes
+            # (AUTOTUNE_TEST_CRASH_AT=write:K, inherited by the ranks), and whether this write
+            # happens depends on the cache, not on the run; no fsync either, a lost entry is asked again.
             tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
             try:
                 tmp.write_text(json.dumps(answer), encoding="utf-8")
