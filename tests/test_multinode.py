@@ -1,8 +1,9 @@
 """Trials through DeepSpeed's own multi-node launchers (autotune/trials/multinode.py).
 
 The checks before the first trial are tested in-process; the real runs go through DeepSpeed's
-hostfile path on this machine, and through its pdsh runner to "two nodes" that are both this
-machine (`localhost` and `127.0.0.1`, reached over a private sshd: tests/ssh_cluster.py).
+hostfile path on this machine, and through its pdsh runner to "two nodes" that are this machine
+at two addresses that are not the controller's (127.0.0.2 and 127.0.0.3, each its own private
+sshd: tests/ssh_cluster.py).
 """
 
 from __future__ import annotations
@@ -23,17 +24,21 @@ from launch_helpers import autotune_in_process
 from robust_helpers import alive_under, rows, start_cli, write_config
 
 from autotune.core.errors import UserError
+from autotune.core.nodes import NODES_ENV, encode_nodes, node_of_rank, this_node
 from autotune.trials.launcher import processes_with
 from autotune.trials.multinode import (
     ENV_FILE_NAME,
     LauncherOptions,
+    _check_resolves,
     cluster_args,
     is_this_machine,
     launch_path,
+    master_address,
     node_env,
     resolve_cluster,
     stop_on_nodes,
 )
+from exporters.file_sd import TARGETS_FILE, read_rank_endpoints, read_targets
 
 TWO_NODES = "localhost slots=2\n127.0.0.1 slots=2\n"
 
@@ -137,11 +142,44 @@ def test_node_env_file_keeps_the_users_own_lines(tmp_path, monkeypatch):
     monkeypatch.setenv("AUTOTUNE_TEST_X", "1")
     trial = tmp_path / "trial-000"
     trial.mkdir()
-    env = node_env(trial, cwd=tmp_path)
+    env = node_env(trial, _two_node_cluster(tmp_path), cwd=tmp_path)
     assert env == {"DS_ENV_FILE": str(trial / ENV_FILE_NAME)}
     lines = (trial / ENV_FILE_NAME).read_text().splitlines()
     assert lines[0] == "NCCL_IB_DISABLE=1"  # theirs first: DS_ENV_FILE replaces the file's name
     assert {"DS_ACCELERATOR=cpu", "AUTOTUNE_TEST_X=1", "OMP_NUM_THREADS=1"} <= set(lines)
+    # every rank learns the nodes by their hostfile names, in rank order (core/nodes.py)
+    assert f"{NODES_ENV}=localhost=2,127.0.0.1=2" in lines
+
+
+def _two_node_cluster(tmp_path):
+    return resolve_cluster(LauncherOptions(hostfile=_hostfile(tmp_path, TWO_NODES)), 4, check_hosts=False)
+
+
+def test_a_rank_names_its_node_as_the_hostfile_does():
+    nodes = encode_nodes([("gpu-a", 2), ("10.0.0.9", 3)])
+    assert [node_of_rank(r, nodes) for r in range(6)] == ["gpu-a"] * 2 + ["10.0.0.9"] * 3 + [None]
+    assert this_node({"RANK": "4", NODES_ENV: nodes}) == "10.0.0.9"
+    assert this_node({"RANK": "4", NODES_ENV: nodes, "SLURMD_NODENAME": "n17"}) == "n17"  # srun places by its own list
+    assert this_node({"RANK": "1"}) == socket.gethostname()  # one machine: its own name
+    assert this_node({"RANK": "1", NODES_ENV: "garbled"}) == socket.gethostname()
+
+
+def test_the_master_is_the_first_nodes_hostfile_address_when_it_gives_one():
+    assert master_address("127.0.0.2", None) == "127.0.0.2"  # no ssh asked: it is the address
+    assert master_address("fd00::7", None) == "fd00::7"
+
+
+def test_a_hostfile_host_that_does_not_resolve_is_one_line(tmp_path, monkeypatch):
+    (tmp_path / "ssh_config").write_text("Host node-b\n  HostName 127.0.0.3\nHost node-c\n  HostName nowhere.invalid\n")
+    monkeypatch.setenv("PDSH_SSH_ARGS_APPEND", f"-F {tmp_path / 'ssh_config'}")
+    with pytest.raises(UserError, match=r"hostfile host 'bogus-host-that-does-not-exist' does not resolve"):
+        _check_resolves("bogus-host-that-does-not-exist", None)
+    _check_resolves("node-b", None)  # an alias of the ssh configuration pdsh connects with
+    with pytest.raises(UserError, match=r"'node-c' does not resolve .*its ssh HostName 'nowhere.invalid' neither"):
+        _check_resolves("node-c", None)
+    hf = _hostfile(tmp_path, "127.0.0.2 slots=2\nbogus-host-that-does-not-exist slots=2\n")
+    with pytest.raises(UserError, match="'bogus-host-that-does-not-exist' does not resolve"):
+        resolve_cluster(LauncherOptions(hostfile=hf), 4)  # every name before any ssh (127.0.0.2 has no server)
 
 
 def test_every_node_gets_the_launchs_path_unless_the_users_file_sets_one(tmp_path, monkeypatch):
@@ -153,12 +191,13 @@ def test_every_node_gets_the_launchs_path_unless_the_users_file_sets_one(tmp_pat
     def paths() -> list[str]:
         return [ln for ln in (trial / ENV_FILE_NAME).read_text().splitlines() if ln.startswith("PATH=")]
 
-    node_env(trial, cwd=tmp_path, own_tools=False)  # a user's command: the PATH it was given
+    cluster = _two_node_cluster(tmp_path)
+    node_env(trial, cluster, cwd=tmp_path, own_tools=False)  # a user's command: the PATH it was given
     assert paths() == ["PATH=/venv/bin:/usr/bin"]
-    node_env(trial, cwd=tmp_path)  # autotune's own ranks: this environment's bin first, as locally
+    node_env(trial, cluster, cwd=tmp_path)  # autotune's own ranks: this environment's bin first, as locally
     assert paths() == [f"PATH={Path(sys.executable).parent}:/venv/bin:/usr/bin"]
     (tmp_path / ".deepspeed_env").write_text("PATH=/their/bin:/usr/bin\n")
-    node_env(trial, cwd=tmp_path)
+    node_env(trial, cluster, cwd=tmp_path)
     assert paths() == ["PATH=/their/bin:/usr/bin"]
     assert launch_path("/my dir/bin:/usr/bin") == {}  # DeepSpeed exports it unquoted: a shell would split it
 
@@ -189,7 +228,7 @@ def test_slurm_needs_an_allocation_with_enough_tasks(tmp_path, monkeypatch):
     """DeepSpeed's slurm runner runs `srun -n WORLD` for every trial: checked once, before any."""
     import autotune.trials.multinode as mn
 
-    hf = _hostfile(tmp_path, "node-a slots=2\nnode-b slots=2\n")
+    hf = _hostfile(tmp_path, "127.0.0.2 slots=2\n127.0.0.3 slots=2\n")
     real_which = mn.shutil.which
     monkeypatch.setattr(mn.shutil, "which", lambda b: "/usr/bin/sinfo" if b == "sinfo" else real_which(b))
     for name in ("SLURM_JOB_ID", "SLURM_NTASKS", "SLURM_NPROCS"):
@@ -234,39 +273,54 @@ def _env(cluster) -> dict:
 
 @pytest.mark.slow
 def test_two_nodes_through_pdsh_tune_and_clean_up(tmp_path, two_nodes):
-    hf = _hostfile(tmp_path, TWO_NODES)
+    hf = two_nodes.hostfile(tmp_path, slots=2)
     cfg = write_config(tmp_path, train_batch_size=16)  # micro 2 x GAS 4 x dp 2
     common = ["--budget", "1", "--stages", "2", "--dp", "2", "--steps", "2", "--warmup-steps", "1",
-              "--fixed-steps", "--config", str(cfg), "--hostfile", hf, "--trial-timeout", "400"]
+              "--fixed-steps", "--config", str(cfg), "--hostfile", hf, "--trial-timeout", "400",
+              "--metrics-addr", "0.0.0.0"]
     r = subprocess.run([sys.executable, "-m", "autotune", "run", "--study", "st", *common], cwd=tmp_path,
                        capture_output=True, text=True, env={**os.environ, **_env(two_nodes)}, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "nodes: localhost:2, 127.0.0.1:2 (multi-node through pdsh)" in r.stdout + r.stderr
+    assert "nodes: 127.0.0.2:2, 127.0.0.3:2 (multi-node through pdsh)" in r.stdout + r.stderr
     trial = tmp_path / "st" / "trial-000"
     assert rows(tmp_path / "st")[0][1] == "ok"
     log = (trial / "launcher.log").read_text()
-    assert "localhost: " in log and "127.0.0.1: " in log  # pdsh prefixes each node's output
+    assert "127.0.0.2: " in log and "127.0.0.3: " in log  # pdsh prefixes each node's output
+    # rank 0's node is the master, by the address the hostfile gives it (not this machine's eth0)
+    assert "--master_addr=127.0.0.2" in log, log[:3000]
+    for node in ssh_cluster.NODES:  # each node's own server started its launch
+        assert "Starting session: command for root" in two_nodes.log(node), node
     for rank in range(4):  # every rank of both nodes wrote its metrics into the shared folder
         lines = (trial / f"metrics-rank{rank}.csv").read_text().splitlines()
         assert len(lines) == 1 + 3, (rank, lines)  # header, 1 warm-up and 2 measured steps
+    # each rank's endpoint is listed under its node's hostfile address, not the machine's name
+    listed = {t.labels["rank"]: t.host for t in read_rank_endpoints(trial)}
+    assert listed == {"0": "127.0.0.2", "1": "127.0.0.2", "2": "127.0.0.3", "3": "127.0.0.3"}
     summary = json.loads((tmp_path / "st" / "summary.json").read_text())
     assert summary["best"]["samples_per_second"] > 0
     assert summary["best"]["trial"] == 0
     assert alive_under(tmp_path / "st") == []
 
-    # Interrupted while the ranks of both nodes run: none is left on either node.
+    # Interrupted while the ranks of both nodes run: none is left on either node. Before that,
+    # every rank target the run lists is scraped at the address listed (127.0.0.3's from there).
     proc = start_cli("run", "--study", "st2", *common, cwd=tmp_path, env=_env(two_nodes))
     trial2 = (tmp_path / "st2" / "trial-000").resolve()
     deadline = time.monotonic() + 300
+    scraped: dict[str, str] = {}
     while time.monotonic() < deadline:
         cmdlines = [_cmdline(p) for p in processes_with(str(trial2))]
-        if sum("--node_rank=1" in c for c in cmdlines) and sum("train.py" in c for c in cmdlines) >= 4:
-            break
+        started = sum("--node_rank=1" in c for c in cmdlines) and sum("train.py" in c for c in cmdlines) >= 4
+        if started:
+            scraped.update(_scrape_rank_targets(tmp_path / "st2" / TARGETS_FILE))
+            if len(scraped) == 4:
+                break
         assert proc.poll() is None, proc.stdout.read()
         time.sleep(0.5)
     else:
         proc.kill()
-        pytest.fail("the two nodes' ranks never all started")
+        pytest.fail(f"the two nodes' ranks never all started and served (scraped: {scraped})")
+    assert {rank: addr.rpartition(":")[0] for rank, addr in scraped.items()} == {
+        "0": "127.0.0.2", "1": "127.0.0.2", "2": "127.0.0.3", "3": "127.0.0.3"}
     proc.send_signal(signal.SIGINT)
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 130, out[-2000:]
@@ -274,6 +328,34 @@ def test_two_nodes_through_pdsh_tune_and_clean_up(tmp_path, two_nodes):
     while alive_under(tmp_path / "st2") and time.monotonic() < deadline:
         time.sleep(0.2)
     assert alive_under(tmp_path / "st2") == []
+    assert not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{_master_port(trial2)}_*"))
+
+
+def _scrape_rank_targets(targets_file: Path) -> dict[str, str]:
+    """rank -> address, for each rank target listed that answers /metrics with its own rank label."""
+    import urllib.request
+
+    out = {}
+    try:
+        targets = read_targets(targets_file)
+    except (OSError, ValueError):
+        return out
+    for t in targets:
+        rank = t.labels.get("rank")
+        if rank is None:
+            continue
+        try:
+            body = urllib.request.urlopen(f"http://{t.address}/metrics", timeout=5).read().decode()
+        except OSError:
+            continue
+        if f'rank="{rank}"' in body:
+            out[rank] = t.address
+    return out
+
+
+def _master_port(trial: Path) -> str:
+    found = re.search(r"--master_port=(\d+)", (trial / "launcher.log").read_text())
+    return found.group(1) if found else "none"
 
 
 def _cmdline(pid: int) -> str:
@@ -287,10 +369,10 @@ def _cmdline(pid: int) -> str:
 def test_stop_on_nodes_reaches_processes_started_over_ssh(tmp_path, two_nodes, monkeypatch):
     marker = tmp_path / "trial-007"
     marker.mkdir()
-    cluster = resolve_cluster(LauncherOptions(hostfile=_hostfile(tmp_path, TWO_NODES)), 4, check_hosts=False)
+    cluster = resolve_cluster(LauncherOptions(hostfile=two_nodes.hostfile(tmp_path)), 4, check_hosts=False)
     env = {**os.environ, **two_nodes.env}
     # a "rank" on the second node: a child of that node's sshd, outside any group of ours
-    subprocess.run(["ssh", "-F", str(two_nodes.config), "127.0.0.1",
+    subprocess.run(["ssh", "-F", str(two_nodes.config), "127.0.0.3",
                     f"nohup {sys.executable} -c 'import time; time.sleep(300)' {marker}/x >/dev/null 2>&1 &"], env=env, check=True, timeout=30)
     deadline = time.monotonic() + 10
     while not processes_with(str(marker)) and time.monotonic() < deadline:
@@ -338,21 +420,21 @@ def test_autotunes_launcher_options_join_the_command_once():
 
 @pytest.mark.slow
 def test_users_script_on_two_nodes_through_autotunes_hostfile(tmp_path, two_nodes):
-    hf = _hostfile(tmp_path, "localhost slots=1\n127.0.0.1 slots=1\n")
+    hf = two_nodes.hostfile(tmp_path, slots=1)
     env = {**os.environ, **_env(two_nodes), "OMP_NUM_THREADS": "1",
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     command = ["deepspeed", str(REPO / "examples" / "pipeline_train.py"), "--deepspeed_config",
                str(REPO / "examples" / "ds_config.json"), "--steps", "100000", "--save-dir", "ckpt"]
     r = subprocess.run([sys.executable, "-m", "autotune", "run", "--budget", "1", "--study", "st",
                         "--steps", "2", "--warmup-steps", "1", "--fixed-steps", "--trial-timeout", "400",
-                        "--hostfile", hf, "--master_addr", "127.0.0.1", "--", *command],
+                        "--hostfile", hf, "--", *command],
                        cwd=tmp_path, capture_output=True, text=True, env=env, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "nodes: localhost:1, 127.0.0.1:1 (multi-node through pdsh)" in r.stdout + r.stderr
+    assert "nodes: 127.0.0.2:1, 127.0.0.3:1 (multi-node through pdsh)" in r.stdout + r.stderr
     trial = tmp_path / "st" / "trial-000"
     assert rows(tmp_path / "st")[0][1] == "ok"
     log = (trial / "launcher.log").read_text()
-    assert "localhost: " in log and "127.0.0.1: " in log
+    assert "127.0.0.2: " in log and "127.0.0.3: " in log
     for rank in (0, 1):  # the bootstrap instrumented the script on both nodes
         assert len((trial / f"metrics-rank{rank}.csv").read_text().splitlines()) == 1 + 3
     assert not (tmp_path / "ckpt").exists()  # the stop never reached the script's own saving
@@ -363,18 +445,18 @@ def test_users_script_on_two_nodes_through_autotunes_hostfile(tmp_path, two_node
 def test_watch_a_job_on_two_nodes(tmp_path, two_nodes):
     """`autotune watch` keeps the command's own launcher options: both nodes' ranks are
     instrumented (their settings reach the other node by file) and nothing is left behind."""
-    hf = _hostfile(tmp_path, "localhost slots=1\n127.0.0.1 slots=1\n")
+    hf = two_nodes.hostfile(tmp_path, slots=1)
     env = {**os.environ, **_env(two_nodes), "OMP_NUM_THREADS": "1",
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     r = subprocess.run([sys.executable, "-m", "autotune", "watch", "--out", "w", "--no-metrics", "--",
-                        "deepspeed", "--hostfile", hf, "--master_addr", "127.0.0.1",
+                        "deepspeed", "--hostfile", hf,
                         str(REPO / "examples" / "pipeline_train.py"), "--deepspeed_config",
                         str(REPO / "examples" / "ds_config.json"), "--steps", "4", "--save-dir", "ckpt"],
                        cwd=tmp_path, capture_output=True, text=True, env=env, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     run = tmp_path / "w" / "run-001"
     log = (run / "launcher.log").read_text()
-    assert "localhost: " in log and "127.0.0.1: " in log
+    assert "127.0.0.2: " in log and "127.0.0.3: " in log
     for rank in (0, 1):  # every step of the job, on both nodes
         assert len((run / f"metrics-rank{rank}.csv").read_text().splitlines()) == 1 + 4
     assert (tmp_path / "ckpt").exists()  # watched, the job runs to its own end (its checkpoint too)

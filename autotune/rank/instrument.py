@@ -286,10 +286,12 @@ def _record_endpoint(exporter: Any, endpoint_file: str | bool, csv_path: str | N
     url = getattr(exporter, "url", None) or getattr(getattr(exporter, "endpoint", None), "url", None)
     if url is None:
         return
+    from autotune.core.nodes import this_node
     from exporters.file_sd import write_rank_endpoint
 
-    try:
-        write_rank_endpoint(str(endpoint_file).replace("{rank}", labels["rank"]), url=url, labels=labels)
+    try:  # a wildcard bind is listed under the hostfile's name for this node (core/nodes.py)
+        write_rank_endpoint(str(endpoint_file).replace("{rank}", labels["rank"]), url=url,
+                            labels={**labels, "host": this_node()})
     except OSError as exc:
         print(f"autotune: cannot record this rank's metrics endpoint ({exc}); it serves on {url}",
               file=sys.stderr, flush=True)

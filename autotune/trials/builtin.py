@@ -18,8 +18,8 @@ from autotune.core.step_budget import RECORD_NAME as STEP_RECORD
 from autotune.rank.workload.trial_spec import SPEC_NAME, TrialSpec, describe_workload
 from autotune.trials.contract import TrialRequest
 from autotune.trials.judge import TrialOutcome, failed, judge
-from autotune.trials.launcher import LaunchSpec, TrialProcess, run_launch
-from autotune.trials.multinode import Cluster, cluster_args, node_env, stop_on_nodes
+from autotune.trials.launcher import LaunchSpec, TrialProcess, free_port, run_launch
+from autotune.trials.multinode import Cluster, cluster_args, node_env, rendezvous_env, stop_on_nodes
 from autotune.trials.warm_pool import WarmWorkers, fresh_reason
 
 
@@ -93,7 +93,9 @@ class BuiltinRunner:
         spec.cluster_args = self._cluster_args
         cluster = self.cluster if self.cluster is not None and self.cluster.multi_node else None
         if cluster is not None:  # the other nodes' ranks get their environment through DeepSpeed's env file
-            spec.env.update(node_env(trial_dir))
+            spec.master_port = free_port()
+            rendezvous = rendezvous_env(cluster, spec.cluster_args or [], spec.master_port)
+            spec.env.update(node_env(trial_dir, cluster, rendezvous))
         if fault == "nolauncher":
             spec.launcher = [str(trial_dir / "no-such-launcher")]
         elif fault == "noscript":

@@ -35,6 +35,9 @@ class LaunchSpec:
     cluster_args: list[str] | None = None
     """DeepSpeed launcher options that place the ranks (--hostfile, --include, --launcher, ...;
     autotune/trials/multinode.py); None: `--num_gpus num_ranks` on this machine."""
+    master_port: int | None = None
+    """The torch.distributed master's port; None: a free one drawn at start. Preset where the
+    ranks read it from a file written before the launch (multinode.rendezvous_env)."""
     preflight: Callable[[Mapping[str, str]], None] | None = field(default_factory=lambda: ext_locks.PREFLIGHT)
     """Run in the controller with the ranks' environment before they start: stale torch
     extension locks removed, DeepSpeed's ops built (autotune/trials/ext_locks.py); None: nothing."""
@@ -165,7 +168,7 @@ class TrialProcess:
         env = self.launch_env()
         self.spec.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.spec.log_path, "wb")
-        self.master_port = free_port()
+        self.master_port = self.spec.master_port or free_port()
         try:
             self.proc = subprocess.Popen(
                 build_command(self.spec, self.master_port), stdout=log, stderr=subprocess.STDOUT,

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from autotune.core.errors import UserError
+from autotune.core.nodes import NODES_ENV, encode_nodes
 from autotune.core.options import LauncherOptions
 
 ENV_FILE_NAME = "deepspeed_env"
@@ -42,6 +43,9 @@ ENV_FILE_NAME = "deepspeed_env"
 LAUNCHER_BINARIES = {"pdsh": "pdsh", "openmpi": "ompi_info", "mpich": "mpirun", "impi": "mpirun",
                      "mvapich": "mpiname", "slurm": "sinfo"}
 """The binary each DeepSpeed launcher backend checks for (multinode_runner.py backend_exists)."""
+SSH_LAUNCHERS = ("pdsh", "openmpi", "mpich", "impi", "mvapich")
+"""Launchers that start each node's processes over ssh (pdsh itself; mpirun's daemons by default).
+srun starts them through slurmd instead."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -111,12 +115,30 @@ def resolve_cluster(opts: LauncherOptions, world_size: int | None, *, check_host
         if shutil.which(binary) is None:
             raise UserError(f"--launcher {opts.launcher} needs {binary!r}, which is not installed here "
                             f"(on Debian: apt-get install {_DEBIAN_PACKAGE.get(opts.launcher, binary)})")
-        if check_hosts and opts.launcher == "pdsh":
-            for host in hosts:
-                _check_ssh(host, opts.ssh_port)
+        if opts.launcher == "mpich":
+            _check_mpirun_is_mpich()
         if opts.launcher == "slurm":
             check_slurm_allocation(cluster.world_size, os.environ)
+        if check_hosts:
+            for host in hosts:  # every name first: a typo is said as one, not as ssh's failure
+                _check_resolves(host, opts.ssh_port)
+            for host in hosts if opts.launcher in SSH_LAUNCHERS else ():
+                _check_ssh(host, opts.ssh_port)
     return cluster
+
+
+def _check_mpirun_is_mpich() -> None:
+    """DeepSpeed's mpich runner calls plain `mpirun` with hydra's options (-ppn, -genv, -hosts).
+    Debian's openmpi-bin and mpich both provide `mpirun` (update-alternatives), and Open MPI's
+    refuses those options only after the launch; said here, before any trial."""
+    try:
+        r = subprocess.run(["mpirun", "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return  # not installed was said above; a hung mpirun is for the trial to show
+    if "Open MPI" in r.stdout + r.stderr:
+        raise UserError(f"--launcher mpich runs `mpirun`, and {shutil.which('mpirun')} is Open MPI's: put "
+                        "MPICH's first on PATH (a folder with mpirun -> /usr/bin/mpirun.mpich) or "
+                        "`update-alternatives --set mpirun /usr/bin/mpirun.mpich`; or use --launcher openmpi")
 
 
 def check_slurm_allocation(world_size: int, env: dict[str, str] | os._Environ[str]) -> None:
@@ -168,7 +190,8 @@ def _where(host: str) -> str:
     return f"it resolves to {', '.join(dict.fromkeys(found))}" if found else "it does not resolve"
 
 
-_DEBIAN_PACKAGE = {"pdsh": "pdsh", "openmpi": "openmpi-bin", "mpich": "mpich", "slurm": "slurm-client"}
+_DEBIAN_PACKAGE = {"pdsh": "pdsh", "openmpi": "openmpi-bin", "mpich": "mpich", "slurm": "slurm-client",
+                   "mvapich": "mvapich (not in Debian)", "impi": "Intel MPI (not in Debian)"}
 
 
 def _read_hostfile(path: str) -> OrderedDict[str, int]:
@@ -204,6 +227,24 @@ def ssh_command(host: str, ssh_port: int | None) -> list[str]:
     extra = shlex.split(os.environ.get("PDSH_SSH_ARGS_APPEND", ""))
     port = ["-p", str(ssh_port)] if ssh_port is not None else []
     return ["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=10", *extra, *port, host]
+
+
+def _check_resolves(host: str, ssh_port: int | None) -> None:
+    """A host must have an address: by DNS (or /etc/hosts), or through the ssh configuration the
+    launcher connects with (a `Host` alias with its `HostName`), which `ssh -G` reads."""
+    if _addresses(host):
+        return
+    try:
+        r = subprocess.run([*ssh_command(host, ssh_port)[:-1], "-G", host], capture_output=True, text=True,
+                           timeout=10)
+        mapped = next((ln.split(None, 1)[1] for ln in r.stdout.splitlines() if ln.startswith("hostname ")), host)
+    except (OSError, subprocess.TimeoutExpired, IndexError):
+        mapped = host
+    if mapped != host and _addresses(mapped):
+        return
+    raise UserError(f"hostfile host {host!r} does not resolve (no DNS or /etc/hosts entry"
+                    f"{'' if mapped == host else f', and its ssh HostName {mapped!r} neither'}); "
+                    "check the spelling in the hostfile")
 
 
 def _check_ssh(host: str, ssh_port: int | None) -> None:
@@ -257,27 +298,32 @@ def rank_env(*, own_tools: bool = True) -> dict[str, str]:
     return env
 
 
-def node_env(trial_dir: Path, extra: dict[str, str] | None = None, *, cwd: Path | None = None,
+def node_env(trial_dir: Path, cluster: Cluster, extra: dict[str, str] | None = None, *, cwd: Path | None = None,
              own_tools: bool = True) -> dict[str, str]:
-    """Write the trial's env file; returns the launcher-side variable that points DeepSpeed at it."""
+    """Write the trial's env file; returns the launcher-side variable that points DeepSpeed at it.
+    Every rank also learns the cluster's nodes by their hostfile names (core/nodes.py), so it
+    lists its metrics endpoint under the name the controller reached its node by."""
     path = trial_dir / ENV_FILE_NAME
-    lines = node_env_lines({**rank_env(own_tools=own_tools), **(extra or {})}, cwd=cwd)
+    nodes = {NODES_ENV: encode_nodes(cluster.hosts.items())}
+    lines = node_env_lines({**rank_env(own_tools=own_tools), **nodes, **(extra or {})}, cwd=cwd)
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     return {"DS_ENV_FILE": str(path)}  # absolute: os.path.join(home, abs) is abs in DeepSpeed's runner
 
 
 def cluster_args(cluster: Cluster) -> list[str]:
-    """The launcher options of every trial on `cluster`. A multi-node pdsh launch gets the master
-    address resolved and `--no_ssh_check`: autotune checked each host itself, the way pdsh
-    connects (DeepSpeed's own check and address lookup call plain `ssh HOST` and ignore
-    PDSH_SSH_ARGS_APPEND). A one-host launch runs locally, so it needs no ssh at all."""
+    """The launcher options of every trial on `cluster`. A multi-node launch gets the master
+    address resolved and `--no_ssh_check`: autotune checked each host itself, the way the
+    launcher connects (DeepSpeed's own check and address lookup call plain `ssh HOST` and
+    ignore PDSH_SSH_ARGS_APPEND; under Slurm there may be no ssh at all). A one-host launch
+    runs locally, so it needs no ssh at all."""
     opts = cluster.options
     args = opts.argv()
-    if cluster.multi_node and opts.launcher == "pdsh":
+    if cluster.multi_node:
         if not opts.master_addr:
-            args += ["--master_addr", master_address(next(iter(cluster.hosts)), opts.ssh_port)]
+            first = next(iter(cluster.hosts))
+            args += ["--master_addr", master_address(first, opts.ssh_port, over_ssh=opts.launcher in SSH_LAUNCHERS)]
         args.append("--no_ssh_check")
-    elif not cluster.multi_node:
+    else:
         # One host: DeepSpeed launches every rank on this machine (its local path), but with a
         # hostfile it still runs `ssh HOST hostname` and `ssh HOST hostname -I` first, which
         # fail on a machine that has no ssh server to itself.
@@ -287,8 +333,34 @@ def cluster_args(cluster: Cluster) -> list[str]:
     return args
 
 
-def master_address(host: str, ssh_port: int | None) -> str:
-    """The first address of `host` (`hostname -I` there, as DeepSpeed's runner asks it)."""
+RENDEZVOUS_BY_ENV_FILE = ("openmpi", "slurm")
+"""Runners that start the script directly and export no master (DeepSpeed 0.19.8
+multinode_runner.py): the trial's env file carries it (autotune/rank/launcher_ranks.py)."""
+
+
+def rendezvous_env(cluster: Cluster | None, args: list[str], master_port: int) -> dict[str, str]:
+    """MASTER_ADDR and MASTER_PORT for every rank, where the runner does not set them itself."""
+    if cluster is None or not cluster.multi_node or cluster.options.launcher not in RENDEZVOUS_BY_ENV_FILE:
+        return {}
+    return {"MASTER_ADDR": args[args.index("--master_addr") + 1], "MASTER_PORT": str(master_port)}
+
+
+def master_address(host: str, ssh_port: int | None, *, over_ssh: bool = True) -> str:
+    """The address the other nodes reach rank 0 at: `host` itself when the hostfile gives an
+    address (it is the one the controller reached that node by; `hostname -I` there may put a
+    container bridge first), else the first address `hostname -I` gives there, as DeepSpeed's
+    runner asks it; without ssh (Slurm), the name's first address as this machine resolves it."""
+    import ipaddress
+
+    try:
+        return str(ipaddress.ip_address(host))
+    except ValueError:
+        pass
+    if not over_ssh:
+        found = _addresses(host)
+        if not found:
+            raise UserError(f"cannot find the address of {host}; give --master_addr")
+        return found[0]
     try:
         r = subprocess.run([*ssh_command(host, ssh_port), "hostname", "-I"], capture_output=True,
                            text=True, timeout=30)

@@ -91,7 +91,7 @@ def multi_node_command(command: UserCommand, settings: BootstrapSettings, run_di
         return command, None
     settings_file = run_dir / "bootstrap-settings.json"
     settings_file.write_text(settings.to_env(), encoding="utf-8")
-    spec.env.update(node_env(run_dir, {FILE_ENV: str(settings_file)}, cwd=cwd, own_tools=False))
+    spec.env.update(node_env(run_dir, cluster, {FILE_ENV: str(settings_file)}, cwd=cwd, own_tools=False))
     return command.for_cluster(cluster), cluster
 
 

@@ -5,7 +5,8 @@ first `sitecustomize` it finds, this one. So that a sitecustomize the
 environment already had (Debian's, a site's own) still runs, the next one on
 sys.path is run first, as it would have been without us.
 
-Only a rank (RANK is set by the launcher) of an autotune trial (AUTOTUNE_USERCMD
+Only a rank (RANK is set by the launcher, or mapped from mpirun's or srun's own
+variables: autotune/rank/launcher_ranks.py) of an autotune trial (AUTOTUNE_USERCMD
 is set by the controller) installs the hook; the launcher processes, which see
 the same PYTHONPATH, do nothing.
 """
@@ -42,8 +43,15 @@ def _install_hook() -> None:
         except OSError as exc:
             print(f"autotune: cannot instrument this rank: {exc}", file=sys.stderr, flush=True)
             return
-    if not settings or "RANK" not in os.environ:
+    if not settings:
         return
+    if "RANK" not in os.environ:  # mpirun/srun set only their own rank variables
+        try:
+            from autotune.rank.launcher_ranks import adopt
+        except ImportError:
+            return  # not autotune's Python: said below only for a rank, which this is not
+        if not adopt():
+            return
     try:
         from autotune.rank.hook import BootstrapSettings, install
     except ImportError as exc:  # the job's Python is not the one autotune is installed in

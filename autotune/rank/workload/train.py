@@ -39,6 +39,9 @@ def parse_args(argv: list[str] | None = None) -> TrialSpec:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from autotune.rank import launcher_ranks
+
+    launcher_ranks.adopt()  # started by mpirun or srun: RANK and the rest from their variables
     spec = parse_args(argv)
     if spec.fault == "nometrics":  # testing seam: every rank exits 0 at once, no metrics written
         return 0
