@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -329,6 +330,78 @@ def test_two_nodes_through_pdsh_tune_and_clean_up(tmp_path, two_nodes):
         time.sleep(0.2)
     assert alive_under(tmp_path / "st2") == []
     assert not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{_master_port(trial2)}_*"))
+
+
+def _mpi_env(tmp_path: Path, launcher: str) -> dict[str, str]:
+    """Open MPI refuses root without its two variables (CI runs as root); DeepSpeed's mpich
+    runner calls plain `mpirun`, which Debian points at Open MPI's when both are installed: a
+    folder first on PATH holds a wrapper (not a symlink: hydra looks for hydra_pmi_proxy beside
+    the mpirun it was started as)."""
+    binary = {"openmpi": "ompi_info", "mpich": "mpirun.mpich"}[launcher]
+    if shutil.which(binary) is None:
+        pytest.skip(f"{binary} not installed (apt-get install {'openmpi-bin' if launcher == 'openmpi' else 'mpich'})")
+    env = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+    if launcher == "mpich":
+        shim = tmp_path / "mpich-bin"
+        shim.mkdir()
+        (shim / "mpirun").write_text(f"#!/bin/sh\nexec {shutil.which('mpirun.mpich')} \"$@\"\n")
+        (shim / "mpirun").chmod(0o755)
+        env["PATH"] = f"{shim}{os.pathsep}{os.environ.get('PATH', '')}"
+    return env
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", ["openmpi", "mpich"])
+def test_a_trial_through_an_mpi_launcher_on_two_nodes(tmp_path, two_nodes, launcher):
+    """DeepSpeed's openmpi and mpich runners, for real: mpirun starts its daemons on both nodes
+    over their own sshd, and the ranks learn RANK from mpirun's variables (openmpi: from
+    OMPI_COMM_WORLD_*, autotune/rank/launcher_ranks.py; mpich: DeepSpeed's launcher_helper)."""
+    env = {**os.environ, **_env(two_nodes), **_mpi_env(tmp_path, launcher)}
+    hf = two_nodes.hostfile(tmp_path, slots=1)
+    r = subprocess.run([sys.executable, "-m", "autotune", "run", "--study", "st", "--budget", "1", "--stages", "2",
+                        "--dp", "1", "--steps", "2", "--warmup-steps", "1", "--fixed-steps", "--hostfile", hf,
+                        "--launcher", launcher, "--metrics-addr", "0.0.0.0", "--trial-timeout", "300"],
+                       cwd=tmp_path, capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert f"nodes: 127.0.0.2:1, 127.0.0.3:1 (multi-node through {launcher})" in r.stdout + r.stderr
+    trial = tmp_path / "st" / "trial-000"
+    assert rows(tmp_path / "st")[0][1] == "ok", (trial / "launcher.log").read_text()[-3000:]
+    log = (trial / "launcher.log").read_text()
+    assert "cmd = mpirun -n 2 " in log
+    assert ("-hosts 127.0.0.2,127.0.0.3" if launcher == "mpich" else f"-hostfile {hf}") in log
+    assert "MASTER_ADDR=127.0.0.2" in log or "MASTER_ADDR 127.0.0.2" in log
+    for node in ssh_cluster.NODES:  # mpirun's daemon (orted, hydra_pmi_proxy) started there over ssh
+        assert "Starting session: command for root" in two_nodes.log(node), node
+    for rank in (0, 1):
+        assert len((trial / f"metrics-rank{rank}.csv").read_text().splitlines()) == 1 + 3
+    assert {t.labels["rank"]: t.host for t in read_rank_endpoints(trial)} == {"0": "127.0.0.2", "1": "127.0.0.3"}
+    assert alive_under(tmp_path / "st") == []
+
+
+def test_mpich_with_open_mpis_mpirun_first_is_one_line(tmp_path, monkeypatch):
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "mpirun").write_text("#!/bin/sh\necho 'mpirun (Open MPI) 4.1.4'\n")
+    (fake / "mpirun").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake}{os.pathsep}{os.environ['PATH']}")
+    hf = _hostfile(tmp_path, "127.0.0.2 slots=1\n127.0.0.3 slots=1\n")
+    with pytest.raises(UserError, match=r"--launcher mpich runs `mpirun`, and .*bin/mpirun is Open MPI's"):
+        resolve_cluster(LauncherOptions(hostfile=hf, launcher="mpich"), 2, check_hosts=False)
+
+
+def test_a_rank_of_mpirun_or_srun_takes_its_rank_from_their_variables():
+    from autotune.rank.launcher_ranks import adopt
+
+    master = {"MASTER_ADDR": "127.0.0.2", "MASTER_PORT": "29500"}
+    env = {**master, "OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_SIZE": "4",
+           "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}
+    assert adopt(env) and (env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"], env["LOCAL_SIZE"]) == ("3", "1", "4", "2")
+    env = {**master, "SLURM_PROCID": "2", "SLURM_LOCALID": "0", "SLURM_NTASKS": "4"}
+    assert adopt(env) and (env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"]) == ("2", "0", "4")
+    launched = {**master, "RANK": "0", "SLURM_PROCID": "5", "SLURM_LOCALID": "0", "SLURM_NTASKS": "8"}
+    assert not adopt(launched) and launched["RANK"] == "0"  # DeepSpeed's launch.py set it: kept
+    no_master = {"SLURM_PROCID": "2", "SLURM_LOCALID": "0", "SLURM_NTASKS": "4"}
+    assert not adopt(no_master) and "RANK" not in no_master  # not our trial: DeepSpeed's own discovery
 
 
 def _scrape_rank_targets(targets_file: Path) -> dict[str, str]:
