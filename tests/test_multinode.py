@@ -504,6 +504,8 @@ def test_users_script_on_two_nodes_through_autotunes_hostfile(tmp_path, two_node
                        cwd=tmp_path, capture_output=True, text=True, env=env, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "nodes: 127.0.0.2:1, 127.0.0.3:1 (multi-node through pdsh)" in r.stdout + r.stderr
+    # loopback endpoints on other nodes cannot be scraped from here: said, with the way out
+    assert "every node's ranks bind 127.0.0.1, where only that node can scrape them" in r.stdout + r.stderr
     trial = tmp_path / "st" / "trial-000"
     assert rows(tmp_path / "st")[0][1] == "ok"
     log = (trial / "launcher.log").read_text()

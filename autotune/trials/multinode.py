@@ -119,12 +119,53 @@ def resolve_cluster(opts: LauncherOptions, world_size: int | None, *, check_host
             _check_mpirun_is_mpich()
         if opts.launcher == "slurm":
             check_slurm_allocation(cluster.world_size, os.environ)
-        if check_hosts:
+        if opts.launcher == "slurm" and check_hosts:
+            check_slurm_nodes(hosts, os.environ)
+        elif check_hosts:
             for host in hosts:  # every name first: a typo is said as one, not as ssh's failure
                 _check_resolves(host, opts.ssh_port)
             for host in hosts if opts.launcher in SSH_LAUNCHERS else ():
                 _check_ssh(host, opts.ssh_port)
     return cluster
+
+
+def check_slurm_nodes(hosts: OrderedDict[str, int], env: dict[str, str] | os._Environ[str]) -> None:
+    """Under srun the hostfile's hosts are Slurm's node names (`scontrol show hostnames`, as
+    docs/multi-node.md writes the file): each must be a node of this allocation, since srun
+    places the ranks on the allocation's nodes whatever the hostfile says."""
+    nodes = slurm_job_nodes(env)
+    if nodes is None:
+        return  # no node list to compare with (an allocation that does not say, or no scontrol)
+    missing = [h for h in hosts if h not in nodes]
+    if missing:
+        raise UserError(f"hostfile host{'s' if len(missing) > 1 else ''} {', '.join(missing)} "
+                        f"{'are' if len(missing) > 1 else 'is'} not in Slurm allocation {env.get('SLURM_JOB_ID')} "
+                        f"(its nodes: {', '.join(nodes)}); write the hostfile from the allocation: "
+                        "scontrol show hostnames \"$SLURM_JOB_NODELIST\" | sed 's/$/ slots=N/'")
+
+
+def slurm_job_nodes(env: dict[str, str] | os._Environ[str]) -> list[str] | None:
+    """The allocation's node names, expanded by Slurm itself; None when it cannot say."""
+    nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+    if not nodelist or shutil.which("scontrol") is None:
+        return None
+    try:
+        r = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return r.stdout.split() if r.returncode == 0 and r.stdout.split() else None
+
+
+def slurm_node_address(node: str) -> str | None:
+    """The address slurmctld reaches a node at (its NodeAddr), which is where its ranks listen."""
+    try:
+        r = subprocess.run(["scontrol", "show", "node", node], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    for word in r.stdout.split() if r.returncode == 0 else []:
+        if word.startswith("NodeAddr=") and len(word) > len("NodeAddr="):
+            return word.split("=", 1)[1]
+    return None
 
 
 def _check_mpirun_is_mpich() -> None:
@@ -356,7 +397,10 @@ def master_address(host: str, ssh_port: int | None, *, over_ssh: bool = True) ->
         return str(ipaddress.ip_address(host))
     except ValueError:
         pass
-    if not over_ssh:
+    if not over_ssh:  # srun: Slurm knows the node's address; else this machine's resolver
+        slurm = slurm_node_address(host) if shutil.which("scontrol") else None
+        if slurm:
+            return slurm
         found = _addresses(host)
         if not found:
             raise UserError(f"cannot find the address of {host}; give --master_addr")

@@ -146,6 +146,10 @@ def _cluster(opts: RunOptions, display: ProgressDisplay):
     if cluster is not None:
         how = f"multi-node through {cluster.options.launcher}" if cluster.multi_node else "one node"
         display.note(f"nodes: {cluster.describe()} ({how})")
+        if cluster.multi_node and not opts.no_metrics and opts.metrics_addr.startswith("127."):
+            display.note(f"rank metrics: every node's ranks bind {opts.metrics_addr}, where only that node can "
+                         "scrape them; --metrics-addr 0.0.0.0 lets a Prometheus here scrape them all (the "
+                         "targets file lists each rank under its node's hostfile name)")
     return cluster
 
 
