@@ -86,6 +86,29 @@ def test_a_study_inside_salloc_runs_its_trials_through_srun_on_both_nodes(tmp_pa
     assert alive_under(tmp_path / "st") == []
 
 
+@pytest.mark.slow
+def test_the_users_own_script_tunes_through_srun_unchanged(tmp_path, slurm):
+    """`autotune run --launcher slurm -- deepspeed script.py`: the bootstrap maps srun's ranks
+    before the script's own `deepspeed.init_distributed` runs, which would otherwise look for
+    mpi4py; the script is the public example, unchanged."""
+    command = ["deepspeed", str(REPO / "examples" / "pipeline_train.py"), "--deepspeed_config",
+               str(REPO / "examples" / "ds_config.json"), "--steps", "100000"]
+    env = {**_env(slurm), "OMP_NUM_THREADS": "1",
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    r = subprocess.run(["salloc", "-N", "2", "-n", "2", sys.executable, "-m", "autotune", "run", "--budget", "1", "--study",
+                        "st", "--steps", "2", "--warmup-steps", "1", "--fixed-steps", "--trial-timeout", "300",
+                        "--hostfile", _hostfile(tmp_path, "node-a slots=1\nnode-b slots=1\n"), "--launcher",
+                        "slurm", "--", *command], cwd=tmp_path, capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    trial = tmp_path / "st" / "trial-000"
+    log = (trial / "launcher.log").read_text()
+    assert rows(tmp_path / "st")[0][1] == "ok", log[-3000:]
+    assert "cmd = srun -n 2 " in log and "mpi4py" not in log
+    for rank in (0, 1):  # instrumented on both nodes by the bootstrap
+        assert len((trial / f"metrics-rank{rank}.csv").read_text().splitlines()) == 1 + 3
+    assert alive_under(tmp_path / "st") == []
+
+
 def _job_state(job: str, slurm) -> str:
     r = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True, env=_env(slurm))
     found = re.search(r"JobState=(\w+)", r.stdout)

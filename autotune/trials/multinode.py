@@ -383,7 +383,10 @@ def rendezvous_env(cluster: Cluster | None, args: list[str], master_port: int) -
     """MASTER_ADDR and MASTER_PORT for every rank, where the runner does not set them itself."""
     if cluster is None or not cluster.multi_node or cluster.options.launcher not in RENDEZVOUS_BY_ENV_FILE:
         return {}
-    return {"MASTER_ADDR": args[args.index("--master_addr") + 1], "MASTER_PORT": str(master_port)}
+    addr = next((a.split("=", 1)[1] for a in args if a.startswith("--master_addr=")), None)
+    if addr is None:
+        addr = args[args.index("--master_addr") + 1]  # cluster_args always gives one
+    return {"MASTER_ADDR": addr, "MASTER_PORT": str(master_port)}
 
 
 def master_address(host: str, ssh_port: int | None, *, over_ssh: bool = True) -> str:

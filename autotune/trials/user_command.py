@@ -34,7 +34,13 @@ from autotune.trials.builtin import prepare_trial_dir
 from autotune.trials.contract import TrialRequest
 from autotune.trials.judge import TrialOutcome, failed, judge
 from autotune.trials.launcher import LaunchOutcome, LaunchSpec, TrialProcess, free_port, run_launch
-from autotune.trials.multinode import Cluster, node_env, resolve_cluster, stop_on_nodes
+from autotune.trials.multinode import (
+    Cluster,
+    node_env,
+    rendezvous_env,
+    resolve_cluster,
+    stop_on_nodes,
+)
 from autotune.usercmd.command import UserCommand
 
 if TYPE_CHECKING:
@@ -85,14 +91,19 @@ def rank_env(settings: BootstrapSettings) -> dict[str, str]:
 def multi_node_command(command: UserCommand, settings: BootstrapSettings, run_dir: Path, spec: LaunchSpec,
                        *, cwd: Path) -> tuple[UserCommand, Cluster | None]:
     """A command that names several nodes: the settings go to the nodes' ranks by file and their
-    environment by DeepSpeed's env file (`spec.env` points at it); the cluster, else None."""
+    environment by DeepSpeed's env file (`spec.env` points at it, and `spec.master_port` is the
+    port the file names where the runner sets no master); the cluster, else None."""
     cluster = resolve_cluster(command.cluster_options(), None, check_hosts=False)  # checked before
     if cluster is None or not cluster.multi_node:
         return command, None
     settings_file = run_dir / "bootstrap-settings.json"
     settings_file.write_text(settings.to_env(), encoding="utf-8")
-    spec.env.update(node_env(run_dir, cluster, {FILE_ENV: str(settings_file)}, cwd=cwd, own_tools=False))
-    return command.for_cluster(cluster), cluster
+    command = command.for_cluster(cluster)
+    spec.master_port = free_port()
+    rendezvous = rendezvous_env(cluster, list(command.launcher_args), spec.master_port)
+    spec.env.update(node_env(run_dir, cluster, {FILE_ENV: str(settings_file), **rendezvous}, cwd=cwd,
+                             own_tools=False))
+    return command, cluster
 
 
 def launch(command: UserCommand, *, ds_config: Path, cwd: Path, run_dir: Path, settings: BootstrapSettings,
@@ -105,7 +116,7 @@ def launch(command: UserCommand, *, ds_config: Path, cwd: Path, run_dir: Path, s
         if cluster is not None:  # ranks on the nodes are sshd's children, not in the launcher's group
             stop_on_nodes(cluster, str(run_dir), master_port=proc.master_port)
 
-    return run_launch(CommandProcess(spec, command, ds_config, cwd), on_start=on_start,
+    return run_launch(CommandProcess(spec, command, ds_config, cwd, master_port=spec.master_port), on_start=on_start,
                       after_stop=stop_on_other_nodes)
 
 
