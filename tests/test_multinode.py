@@ -304,7 +304,8 @@ def test_two_nodes_through_pdsh_tune_and_clean_up(tmp_path, two_nodes):
 
     # Interrupted while the ranks of both nodes run: none is left on either node. Before that,
     # every rank target the run lists is scraped at the address listed (127.0.0.3's from there).
-    proc = start_cli("run", "--study", "st2", *common, cwd=tmp_path, env=_env(two_nodes))
+    long = [("400" if a == "2" and common[i - 1] == "--steps" else a) for i, a in enumerate(common)]
+    proc = start_cli("run", "--study", "st2", *long, cwd=tmp_path, env=_env(two_nodes))  # ends by the interrupt
     trial2 = (tmp_path / "st2" / "trial-000").resolve()
     deadline = time.monotonic() + 300
     scraped: dict[str, str] = {}
