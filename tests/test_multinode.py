@@ -378,6 +378,37 @@ def test_a_trial_through_an_mpi_launcher_on_two_nodes(tmp_path, two_nodes, launc
     assert {t.labels["rank"]: t.host for t in read_rank_endpoints(trial)} == {"0": "127.0.0.2", "1": "127.0.0.3"}
     assert alive_under(tmp_path / "st") == []
 
+    # Interrupted while both ranks run: no process and no /dev/shm buffer is left on either node.
+    proc = start_cli("run", "--study", "st2", "--budget", "1", "--stages", "2", "--dp", "1", "--steps", "400",
+                     "--warmup-steps", "1", "--fixed-steps", "--hostfile", hf, "--launcher", launcher,
+                     "--no-metrics", "--trial-timeout", "300", cwd=tmp_path, env=env)
+    trial2 = tmp_path / "st2" / "trial-000"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:  # both ranks are past their first measured step
+        if all(len(_lines(trial2 / f"metrics-rank{r}.csv")) >= 3 for r in (0, 1)):
+            break
+        assert proc.poll() is None, proc.stdout.read()
+        time.sleep(0.5)
+    else:
+        proc.kill()
+        pytest.fail("the two nodes' ranks never both ran")
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, out[-2000:]
+    deadline = time.monotonic() + 10
+    while alive_under(tmp_path / "st2") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert alive_under(tmp_path / "st2") == []
+    port = re.search(r"MASTER_PORT[= ](\d+)", (trial2 / "launcher.log").read_text())
+    assert port and not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port.group(1)}_*"))
+
+
+def _lines(path: Path) -> list[str]:
+    try:
+        return path.read_text().splitlines()
+    except OSError:
+        return []
+
 
 def test_mpich_with_open_mpis_mpirun_first_is_one_line(tmp_path, monkeypatch):
     fake = tmp_path / "bin"
