@@ -178,7 +178,8 @@ def _check_mpirun_is_mpich() -> None:
         return  # not installed was said above; a hung mpirun is for the trial to show
     if "Open MPI" in r.stdout + r.stderr:
         raise UserError(f"--launcher mpich runs `mpirun`, and {shutil.which('mpirun')} is Open MPI's: put "
-                        "MPICH's first on PATH (a folder with mpirun -> /usr/bin/mpirun.mpich) or "
+                        "MPICH's first on PATH (a wrapper script `exec /usr/bin/mpirun.mpich \"$@\"`; a symlink leaves "
+                        "hydra without its proxy) or "
                         "`update-alternatives --set mpirun /usr/bin/mpirun.mpich`; or use --launcher openmpi")
 
 
