@@ -399,8 +399,24 @@ def test_a_trial_through_an_mpi_launcher_on_two_nodes(tmp_path, two_nodes, launc
     while alive_under(tmp_path / "st2") and time.monotonic() < deadline:
         time.sleep(0.2)
     assert alive_under(tmp_path / "st2") == []
+    daemons = {"openmpi": "orted", "mpich": "hydra_pmi_proxy"}[launcher]  # mpirun's per-node daemon
+    deadline = time.monotonic() + 10
+    while _running(daemons) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _running(daemons) == []
     port = re.search(r"MASTER_PORT[= ](\d+)", (trial2 / "launcher.log").read_text())
     assert port and not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port.group(1)}_*"))
+
+
+def _running(name: str) -> list[str]:
+    """Command lines of live processes whose program is `name` (ssh's own `bash -c` excluded)."""
+    out = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            cmd = _cmdline(int(proc.name))
+            if cmd.split(" ", 1)[0].endswith(name):
+                out.append(cmd)
+    return out
 
 
 def _lines(path: Path) -> list[str]:
