@@ -6,8 +6,13 @@ command with the user's `--hostfile`, `--include`/`--exclude`, `--num_nodes`, `-
 what a tuning run needs around that command:
 
 - the checks before the first trial (`resolve_cluster`): the hostfile read with DeepSpeed's
-  own parser and filters, its slots against stages x dp, the launcher's binary installed,
-  each host reachable over ssh the way pdsh will connect (PDSH_SSH_ARGS_APPEND, --ssh_port);
+  own parser and filters, its slots against stages x dp, the launcher's binary installed
+  (and for mpich, that `mpirun` is MPICH's), each host resolving and reachable over ssh the
+  way pdsh and mpirun will connect (PDSH_SSH_ARGS_APPEND, --ssh_port); under Slurm, the
+  allocation's tasks and nodes instead of ssh;
+- the master address (`cluster_args`) and, for the runners that export none (openmpi,
+  slurm), the master in every rank's environment (`rendezvous_env`, read by
+  autotune/rank/launcher_ranks.py);
 - the environment every node's ranks need (`write_node_env`): DeepSpeed's multi-node
   runners export only a few variable prefixes (PYTHON*, MLFLOW*, ...) plus the lines of a
   `.deepspeed_env` file, so autotune writes one such file per trial (the user's own lines
