@@ -8,6 +8,8 @@ run's loop, `cli` the commands.
 - rank-side code imports only the data model (and the rank side, and exporters' rank endpoints);
 - the data model imports nothing else of autotune; nothing imports the command line;
 - the advisor knows nothing of the tuner: no `autotune.advisor` module imports the tuning run;
+- the performance model reads studies and runs nothing: `autotune.model` imports neither the
+  tuning run, nor a trial's launch, nor a user's command;
 - the core reaches `exporters` only where a probe or a run is wired to its endpoints;
 - the study store reaches the data model only, never a feature (a step, the user's command);
 - no optional import is swallowed silently: each `except ImportError` is listed here, with why.
@@ -104,6 +106,15 @@ def test_the_advisor_knows_nothing_of_the_tuner():
     bad = {m: sorted(i for i in _imports(m, module_level_only=False)
                      if i.startswith("autotune.tuning"))
            for m in MODULES if m.startswith("autotune.advisor")}
+    assert {m: v for m, v in bad.items() if v} == {}
+
+
+def test_the_model_reads_studies_and_runs_nothing():
+    """model/ calibrates on a study's records and predicts; the tuner may ask it, never the reverse."""
+    banned = ("autotune.tuning", "autotune.trials", "autotune.usercmd", "autotune.cli")
+    bad = {m: sorted(i for i in _imports(m, module_level_only=False) if i.startswith(banned))
+           for m in MODULES if m.startswith("autotune.model")}
+    assert any(m.startswith("autotune.model") for m in MODULES)
     assert {m: v for m, v in bad.items() if v} == {}
 
 

@@ -154,8 +154,12 @@ def _cluster(opts: RunOptions, display: ProgressDisplay):
 
 
 def _store_meta(study: Study, opts: RunOptions, space: SearchSpace) -> None:
+    import os
+
+    # the controller's cores: the performance model's core sharing (autotune/model/step_model.py)
     study.set_meta_json({"budget": opts.budget, "space": dump_space(space),
-                         "workload": dataclasses.asdict(opts.workload)})
+                         "workload": dataclasses.asdict(opts.workload),
+                         "host": {"cores": len(os.sched_getaffinity(0))}})
 
 
 def _rules_hooks():

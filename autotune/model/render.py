@@ -1,0 +1,116 @@
+"""A prediction (or a plan) in words and as JSON."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+from typing import TYPE_CHECKING
+
+from autotune.core.space import fmt_bucket
+from autotune.model.step_model import Calibration, Prediction, predict
+from autotune.model.study_model import StudyModel
+
+if TYPE_CHECKING:
+    from autotune.model.observations import Observation
+
+TERM_ORDER = ("compute", "recompute", "transfer", "wait", "reduce", "optimizer", "engine")
+
+
+def leave_one_out(model: StudyModel) -> tuple[float | None, int]:
+    """Step-time mean absolute percentage error over the study's trials, each predicted by the
+    model calibrated on the others (None below three trials): the model's error on trials it
+    had not seen."""
+    from autotune.model.step_model import _layout_of, calibrate
+
+    obs = model.observations
+    if len(obs) < 3:
+        return None, len(obs)
+    errors = []
+    for i, o in enumerate(obs):
+        rest = obs[:i] + obs[i + 1:]
+        cal = calibrate(rest, cores=model.calibration.cores)
+        try:
+            p = predict(cal, _layout_of(o))
+        except Exception:  # noqa: BLE001 - a layout the rest cannot say (no layer costs left): not counted
+            continue
+        errors.append(abs(p.step_seconds / o.step_seconds - 1))
+    return (statistics.fmean(errors) if errors else None), len(errors)
+
+
+def _layout_text(p: Prediction) -> str:
+    lay = p.layout
+    bucket = "-" if lay.reduce_bucket_size is None else fmt_bucket(lay.reduce_bucket_size)
+    ckpt = f", checkpoint every {lay.checkpoint_interval}" if lay.checkpoint_interval else ""
+    parts = f", parts {p.parts}" if p.parts else ""
+    return (f"micro {lay.micro_batch_size}, GAS {lay.gradient_accumulation_steps}, bucket {bucket}, "
+            f"{lay.stages} stages x {lay.data_parallel_size} dp{parts}{ckpt}")
+
+
+def measured_match(model: StudyModel, p: Prediction) -> Observation | None:
+    """The study's trial that ran this very layout, if one did."""
+    lay = p.layout
+    for o in model.observations:
+        if ((o.micro_batch_size, o.gradient_accumulation_steps, o.stages, o.data_parallel_size,
+             o.reduce_bucket_size, o.checkpoint_interval)
+                == (lay.micro_batch_size, lay.gradient_accumulation_steps, lay.stages, lay.data_parallel_size,
+                    lay.reduce_bucket_size, lay.checkpoint_interval)
+                and (p.parts is None or o.parts is None or list(o.parts) == list(p.parts))):
+            return o
+    return None
+
+
+def prediction_text(model: StudyModel, p: Prediction, loo: tuple[float | None, int]) -> str:
+    cal = model.calibration
+    lines = [f"predicted: {_layout_text(p)}",
+             f"  samples/s   {p.samples_per_second:,.1f}  (step {p.step_seconds * 1000:.1f} ms)"]
+    seen = measured_match(model, p)
+    if seen is not None:
+        lines.append(f"  measured    {seen.samples_per_second:,.1f} in trial {seen.trial} "
+                     f"({(p.samples_per_second / seen.samples_per_second - 1) * 100:+.1f} % predicted)")
+    lines.append("  step by term (slowest stage): " + ", ".join(
+        f"{k} {p.terms[k] * 1000:.1f} ms" for k in TERM_ORDER if p.terms.get(k, 0) > 0 or k == "compute"))
+    lines.append(f"  bubble      {p.bubble_fraction * 100:.1f} % of the schedule (ideal 1F1B "
+                 f"{(p.layout.stages - 1) / (p.layout.gradient_accumulation_steps + p.layout.stages - 1) * 100:.1f} %)")
+    if p.stage_memory_bytes is not None:
+        kind = {"process_max_rss": "the process's peak resident set", "cuda_max_allocated": "CUDA peak allocated"}
+        lines.append("  peak memory " + ", ".join(f"stage {s} {b / 2**20:,.0f} MiB" for s, b in enumerate(p.stage_memory_bytes))
+                     + f" ({kind.get(cal.memory_kind or '', cal.memory_kind)})")
+    else:
+        lines.append("  peak memory not modelled: the study measured no layer costs (`autotune run --layer-costs`)")
+    lines.append(f"  measured terms: {', '.join(p.measured_terms)}")
+    if p.extrapolated:
+        lines.append("  extrapolated: " + "; ".join(p.extrapolated))
+    for n in p.notes:
+        lines.append(f"  note: {n}")
+    err, count = loo
+    lines.append(f"  calibrated on {len(cal.trials)} trial(s) of {model.root}; "
+                 + (f"error on trials it had not seen (leave-one-out, {count}): {err * 100:.1f} % of the step time"
+                    if err is not None else "too few trials for a leave-one-out error (3 needed)"))
+    return "\n".join(lines)
+
+
+def prediction_dict(model: StudyModel, p: Prediction, loo: tuple[float | None, int]) -> dict[str, object]:
+    seen = measured_match(model, p)
+    err, n = loo
+    return {"layout": dataclasses.asdict(p.layout) | {"parts": p.parts},
+            "samples_per_second": p.samples_per_second, "step_seconds": p.step_seconds,
+            "terms_seconds": {k: p.terms.get(k, 0.0) for k in TERM_ORDER},
+            "bubble_fraction": p.bubble_fraction,
+            "stage_peak_memory_bytes": p.stage_memory_bytes,
+            "memory_kind": model.calibration.memory_kind if p.stage_memory_bytes is not None else None,
+            "measured_terms": p.measured_terms, "extrapolated": p.extrapolated, "notes": p.notes,
+            "measured": ({"trial": seen.trial, "samples_per_second": seen.samples_per_second} if seen else None),
+            "calibration": calibration_dict(model.calibration) | {"leave_one_out_mape": err, "leave_one_out_trials": n}}
+
+
+def calibration_dict(cal: Calibration) -> dict[str, object]:
+    return {"trials": cal.trials, "device": cal.device, "stages": cal.stages,
+            "data_parallel_size": cal.data_parallel_size, "parts": cal.parts, "cores": cal.cores,
+            "micro_batches_measured": cal.micro_batches_measured, "layer_costs": cal.layers is not None,
+            "overhead_per_step_seconds": cal.overhead_per_step, "overhead_per_micro_seconds": cal.overhead_per_micro,
+            "reduce_per_bucket_seconds": cal.reduce_per_bucket, "reduce_per_step_seconds": cal.reduce_per_step}
+
+
+def to_json(obj: object) -> str:
+    return json.dumps(obj, indent=2, sort_keys=False)
