@@ -1,7 +1,7 @@
 """How well the performance model predicts configurations its study did not run (issue 26).
 
     .venv/bin/python benchmarks/model_accuracy.py [--out DIR] [--steps 6]
-    .venv/bin/python benchmarks/model_accuracy.py --quick     # CI smoke run: 2 targets, 2 steps
+    .venv/bin/python benchmarks/model_accuracy.py --quick [--calibration STUDY]   # CI smoke run
 
 Steps, all real DeepSpeed trials on this machine:
 1. a calibration study: `autotune run --layer-costs --full-budget --budget 6` on the built-in
@@ -64,7 +64,7 @@ TARGETS = [
     Target(2, 2, 2, parts="0,2,6"), Target(2, 2, 8, parts="0,4,6"), Target(2, 2, 4, checkpoint=1),
     Target(2, 2, 16, checkpoint=1), Target(2, 2, 8, bucket=20000),
 ]
-QUICK_TARGETS = [Target(2, 1, 4), Target(2, 1, 8, checkpoint=1)]
+QUICK_TARGETS = [Target(2, 1, 4, checkpoint=1)]
 
 
 def autotune(*args: str, cwd: Path) -> subprocess.CompletedProcess:
@@ -137,17 +137,23 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None)
     ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument("--quick", action="store_true", help="2 targets, 2 measured steps, budget-3 studies (CI)")
+    ap.add_argument("--quick", action="store_true", help="1 target, 2 measured steps, a budget-2 2-rank study (CI)")
+    ap.add_argument("--calibration", default=None,
+                    help="Calibrate on this finished study (run with --layer-costs) instead of running one")
     args = ap.parse_args(argv)
     out = Path(args.out or tempfile.mkdtemp(prefix="model-accuracy-"))
     out.mkdir(parents=True, exist_ok=True)
     steps, warmup = (2, 1) if args.quick else (args.steps, 2)
-    budget = "3" if args.quick else "6"
+    budget = "2" if args.quick else "6"
     t0 = time.monotonic()
     common = ["--layer-costs", "--no-metrics", "--full-budget", "--budget", budget, "--fixed-steps",
               "--steps", str(steps), "--warmup-steps", str(warmup)]
     studies = {"the 4-rank study (2 stages x 2 dp)": out / "calibrate-4"}
-    if not args.quick:
+    if args.calibration:
+        studies = {"the given study": Path(args.calibration)}
+    elif args.quick:  # the smoke run's study: 2 ranks, as its target
+        studies = {"the 2-rank study (2 stages x 1 dp)": out / "calibrate-2"}
+    else:
         studies["the 2-rank study (2 stages x 1 dp): extrapolation"] = out / "calibrate-2"
     for name, folder in studies.items():
         if not (folder / "study.db").exists():

@@ -63,6 +63,12 @@ def test_tuning_gain(tmp_path):
     assert re.search(r"tuned / sweep best: (the same configuration|[\d.]+%)", out), out[-2000:]
 
 
+def test_model_accuracy(tmp_path):
+    out = run([sys.executable, "benchmarks/model_accuracy.py", "--quick", "--out", str(tmp_path)], timeout=900)
+    figure(out, r"step-time MAPE over 1 unseen configurations: ([\d.]+) %", 0, 200)
+    figure(out, r"peak memory per stage: mean error ([\d.]+) %", 0, 100)
+
+
 def test_trial_cost(tmp_path):
     out = run([sys.executable, "benchmarks/trial_cost.py", "--quick", "--out", str(tmp_path)], timeout=900)
     figure(out, r"wall / step time: before ([\d.]+)x", 1, 10_000)

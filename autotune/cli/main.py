@@ -102,9 +102,10 @@ def _register_commands() -> None:
     from autotune.cli.report import report_command
 
     cli.add_command(report_command, "report")
-    from autotune.cli.predict import predict_command
+    from autotune.cli.predict import plan_command, predict_command
 
     cli.add_command(predict_command, "predict")
+    cli.add_command(plan_command, "plan")
     from autotune.cli.watch import watch_command
 
     cli.add_command(watch_command, "watch")

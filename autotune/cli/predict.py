@@ -36,3 +36,40 @@ def predict_command(study: str, micro: int | None, gas: int | None, bucket: floa
     p = predict(model.calibration, layout)
     loo = leave_one_out(model)
     click.echo(to_json(prediction_dict(model, p, loo)) if fmt == "json" else prediction_text(model, p, loo))
+
+
+@click.command("plan")
+@click.argument("study", type=click.Path())
+@click.option("--gpus", type=click.IntRange(min=1), required=True, help="GPUs of the cluster to plan for.")
+@click.option("--gpus-per-node", type=click.IntRange(min=1), default=8, show_default=True,
+              help="GPUs per node (stages crossing a node go over the network).")
+@click.option("--hardware", default=None,
+              help="Device and network: a preset (a100, h100, h200) or a TOML file in their format "
+                   "[default: the study's own device; a CPU study needs one].")
+@click.option("--device-memory", type=float, default=None, help="Bytes per GPU, instead of the preset's.")
+@click.option("--global-batch", type=click.IntRange(min=1), default=None,
+              help="Global batch to keep [default: the study's best trial's].")
+@click.option("--stages", type=click.IntRange(min=1), default=None, help="Only layouts with this many stages.")
+@click.option("--dp", type=click.IntRange(min=1), default=None, help="Only layouts with this data-parallel degree.")
+@click.option("--top", type=click.IntRange(min=1), default=10, show_default=True, help="Layouts listed.")
+@_FORMAT
+def plan_command(study: str, gpus: int, gpus_per_node: int, hardware: str | None, device_memory: float | None,
+                 global_batch: int | None, stages: int | None, dp: int | None, top: int, fmt: str) -> None:
+    """Rank the layouts of STUDY's model on GPUS GPUs: stages x dp, micro-batch and GAS at the
+    global batch, partition, checkpointing; each with predicted throughput and memory per stage,
+    and the layouts that do not fit with the stage that overflows (docs/model.md)."""
+    from autotune.model.hardware import load_hardware
+    from autotune.model.plan import Cluster, plan
+    from autotune.model.render import plan_dict, plan_text, to_json
+    from autotune.model.study_model import model_of_study
+
+    hw = load_hardware(hardware, device_memory=device_memory) if hardware else None
+    if hw is None and device_memory is not None and device_memory <= 0:
+        from autotune.core.errors import UserError
+
+        raise UserError(f"--device-memory {device_memory:g}: must be a positive number of bytes")
+    model = model_of_study(study)
+    batch = global_batch or max(model.observations, key=lambda o: o.samples_per_second).global_batch
+    result = plan(model, Cluster(gpus=gpus, gpus_per_node=gpus_per_node, hardware=hw, global_batch=batch,
+                                 device_memory=device_memory), stages=stages, dp=dp)
+    click.echo(to_json(plan_dict(result)) if fmt == "json" else plan_text(result, top))

@@ -16,6 +16,8 @@ through DeepSpeed's schedule (`schedule.replay`) with durations for the target d
   their bytes over the slowest link of the group, plus a latency per bucket and ring step;
 - the optimizer: ZeRO-1's share of Adam's update, about 32 bytes per parameter moved
   through HBM;
+- the engine: DeepSpeed's own host time per instruction and per step, measured on the study's
+  host; an instruction takes at least its host time (the kernels are issued from Python);
 - memory: half-precision weights and gradients, fp32 master weights and Adam's moments
   partitioned over dp, the saved activations (measured in fp32 here, halved) times the
   micro-batches in flight, the bucket, and the preset's context bytes.
@@ -208,7 +210,10 @@ def _on_target(model: StudyModel, lay: Layout, cluster: Cluster, seq: int | None
         lo, hi = parts[s], parts[s + 1]
         f = sum(seconds[i] * fwd_share[i] for i in range(lo, hi))
         bw = sum(seconds[i] * (1 - fwd_share[i]) for i in range(lo, hi))
-        times.append(StageTimes(forward=f, backward=bw + (f if lay.checkpoint_interval else 0.0)))
+        # the host issues each instruction's kernels: the engine's own time per forward and backward
+        # (measured on this host) bounds an instruction whose kernels take less
+        host = cal.overhead_per_micro / 2
+        times.append(StageTimes(forward=max(f, host), backward=max(bw + (f if lay.checkpoint_interval else 0.0), host)))
     nodes_of = [[(s * d + k) // cluster.gpus_per_node for k in range(d)] for s in range(p)]
     transfers = []
     for s in range(p - 1):
@@ -241,7 +246,7 @@ def _on_target(model: StudyModel, lay: Layout, cluster: Cluster, seq: int | None
     ends = [run.stage_end_seconds[s] + reduce[s] + opt[s] for s in range(p)]
     slow = max(range(p), key=lambda s: ends[s])
     engine = cal.overhead_per_step + cal.overhead_per_micro * m  # the engine's Python: measured on this host
-    step = ends[slow] + engine
+    step = ends[slow] + cal.overhead_per_step
     terms = {"compute": run.stage_busy_seconds[slow], "transfer": run.stage_transfer_seconds[slow],
              "wait": run.stage_wait_seconds[slow], "reduce": reduce[slow], "optimizer": opt[slow], "engine": engine}
     return PlannedLayout(layout=lay, parts=list(parts), samples_per_second=lay.global_batch / step, step_seconds=step,
@@ -262,7 +267,7 @@ def reason(x: PlannedLayout, best: PlannedLayout | None) -> str:
         head = x.memory_limit_bytes - max(x.stage_memory_bytes)
         bits.append(f"{head / 2**30:,.1f} GiB headroom on the fullest stage")
     if best is not None and best is not x:
-        bits.append(f"{(x.samples_per_second / best.samples_per_second - 1) * 100:+.0f} % vs the first")
+        bits.append(f"{(x.samples_per_second / best.samples_per_second - 1) * 100:+.1f} % vs the first")
     return "; ".join(bits)
 
 

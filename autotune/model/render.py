@@ -8,6 +8,7 @@ import statistics
 from typing import TYPE_CHECKING
 
 from autotune.core.space import fmt_bucket
+from autotune.model.plan import Plan, PlannedLayout
 from autotune.model.step_model import Calibration, Prediction, predict
 from autotune.model.study_model import StudyModel
 
@@ -114,3 +115,52 @@ def calibration_dict(cal: Calibration) -> dict[str, object]:
 
 def to_json(obj: object) -> str:
     return json.dumps(obj, indent=2, sort_keys=False)
+
+
+def plan_text(plan: Plan, top: int) -> str:
+    from autotune.model.plan import reason
+
+    c = plan.cluster
+    hw = c.hardware.name if c.hardware else "the study's own device"
+    lines = [f"plan: {c.gpus} GPUs ({c.gpus_per_node} per node) of {hw}, global batch {c.global_batch}"]
+    lines += [f"  {n}" for n in plan.notes]
+    if plan.scaled:
+        lines.append("  scaled from the preset: " + "; ".join(plan.scaled))
+    best = plan.ranked[0] if plan.ranked else None
+    lines.append(f"{'rank':>4}  {'stages x dp':>11}  {'micro':>5}  {'GAS':>4}  {'ckpt':>4}  {'samples/s':>11}  "
+                 f"{'step ms':>9}  {'peak GiB':>8}  parts / why")
+    for i, x in enumerate(plan.ranked[:top], 1):
+        lay = x.layout
+        lines.append(f"{i:>4}  {f'{lay.stages} x {lay.data_parallel_size}':>11}  {lay.micro_batch_size:>5}  "
+                     f"{lay.gradient_accumulation_steps:>4}  {'on' if lay.checkpoint_interval else 'off':>4}  "
+                     f"{x.samples_per_second:>11,.1f}  {x.step_seconds * 1000:>9.2f}  "
+                     f"{max(x.stage_memory_bytes) / 2**30:>8.2f}  {x.parts}: {reason(x, best)}")
+    if len(plan.ranked) > top:
+        lines.append(f"  ... {len(plan.ranked) - top} more layouts fit (--top to list them)")
+    if not plan.ranked:
+        lines.append("  no layout fits the device's memory")
+    if plan.too_big:
+        lines.append(f"do not fit ({len(plan.too_big)} layouts; the least over first):")
+        for x in plan.too_big[:top]:
+            s, over = x.overflow
+            lay = x.layout
+            lines.append(f"      {lay.stages} x {lay.data_parallel_size}, micro {lay.micro_batch_size}, GAS "
+                         f"{lay.gradient_accumulation_steps}, ckpt {'on' if lay.checkpoint_interval else 'off'}: "
+                         f"stage {s} needs {x.stage_memory_bytes[s] / 2**30:,.2f} GiB, "
+                         f"{over / 2**30:,.2f} GiB over the {x.memory_limit_bytes / 2**30 if x.memory_limit_bytes else 0:,.2f} GiB it may use")
+    return "\n".join(lines)
+
+
+def plan_dict(plan: Plan) -> dict[str, object]:
+    def one(x: PlannedLayout) -> dict[str, object]:
+        return {"layout": dataclasses.asdict(x.layout) | {"parts": x.parts}, "samples_per_second": x.samples_per_second,
+                "step_seconds": x.step_seconds, "bubble_fraction": x.bubble_fraction,
+                "stage_peak_memory_bytes": x.stage_memory_bytes, "memory_limit_bytes": x.memory_limit_bytes,
+                "terms_seconds": x.terms, "fits": x.fits}
+
+    c = plan.cluster
+    return {"gpus": c.gpus, "gpus_per_node": c.gpus_per_node, "global_batch": c.global_batch,
+            "hardware": (dataclasses.asdict(c.hardware) if c.hardware else None), "notes": plan.notes,
+            "scaled_from_preset": plan.scaled, "ranked": [one(x) for x in plan.ranked],
+            "do_not_fit": [one(x) | {"overflow_stage": x.overflow[0], "overflow_bytes": x.overflow[1]}
+                           for x in plan.too_big]}

@@ -1,0 +1,197 @@
+"""The performance model (autotune/model/, docs/model.md): its schedule against DeepSpeed's own,
+its fits, and `autotune predict` / `autotune plan` on the shared reference studies.
+
+The studies are the session's shared ones (tests/shared_studies.py): the built-in workload
+without layer costs (2 stages x 2 dp) and the user's script with layer costs (2 stages x 1 dp);
+no test here runs a trial of its own. How well the model predicts configurations no study ran
+is measured by benchmarks/model_accuracy.py (real trials), not asserted here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+from launch_helpers import autotune_cli
+
+from autotune.core.errors import UserError
+from autotune.model.fits import fit_growth
+from autotune.model.hardware import load_hardware, preset_names
+from autotune.model.schedule import BWD, FWD, RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD, StageTimes, instructions, replay
+
+DEEPSPEED_NAMES = {"ForwardPass": FWD, "BackwardPass": BWD, "SendActivation": SEND_ACT,
+                   "RecvActivation": RECV_ACT, "SendGrad": SEND_GRAD, "RecvGrad": RECV_GRAD}
+
+
+@pytest.mark.parametrize(("stages", "micro"), [(2, 1), (2, 5), (3, 4), (4, 8), (5, 2)])
+def test_the_replayed_order_is_deepspeeds_train_schedule(stages, micro):
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from deepspeed.runtime.pipe.schedule import TrainSchedule
+
+    for stage in range(stages):
+        theirs = [DEEPSPEED_NAMES[type(c).__name__] for step in TrainSchedule(micro, stages, stage).steps()
+                  for c in step if type(c).__name__ in DEEPSPEED_NAMES]
+        assert [kind for kind, _ in instructions(stage, stages, micro)] == theirs
+
+
+@pytest.mark.parametrize(("stages", "micro"), [(2, 4), (4, 8), (4, 2), (3, 7)])
+def test_balanced_stages_give_1f1b_ideal_bubble(stages, micro):
+    run = replay([StageTimes(1.0, 2.0)] * stages, micro, [0.0] * stages)
+    assert run.pipeline_seconds == pytest.approx((micro + stages - 1) * 3.0)
+    assert run.bubble_fraction == pytest.approx((stages - 1) / (micro + stages - 1))
+
+
+def test_a_slow_stage_makes_the_others_wait_and_transfers_add_up():
+    even = replay([StageTimes(1, 2), StageTimes(1, 2)], 8, [0.0])
+    slow = replay([StageTimes(1, 2), StageTimes(2, 4)], 8, [0.0])
+    assert slow.pipeline_seconds > even.pipeline_seconds * 1.8
+    assert slow.stage_wait_seconds[0] > 5 * slow.stage_wait_seconds[1]
+    linked = replay([StageTimes(1, 2), StageTimes(1, 2)], 8, [0.5])
+    assert linked.stage_transfer_seconds[0] == pytest.approx(16 * 0.5)  # 8 activations out, 8 gradients back
+    assert linked.pipeline_seconds > even.pipeline_seconds
+
+
+def test_processor_sharing_slows_compute_only_while_more_ranks_than_cores_compute():
+    times = [StageTimes(1, 2)] * 2
+    own = replay(times, 16, [0.0], replicas=2)
+    shared = replay(times, 16, [0.0], replicas=2, cores=2)
+    enough = replay(times, 16, [0.0], replicas=2, cores=4)
+    assert enough.pipeline_seconds == pytest.approx(own.pipeline_seconds)
+    # 4 ranks on 2 cores: the steady state runs at half speed, the fill and drain faster than that
+    assert 1.7 * own.pipeline_seconds < shared.pipeline_seconds < 2.0 * own.pipeline_seconds
+
+
+def test_growth_fit_recovers_a_fixed_cost_and_exponent():
+    sizes = [1, 2, 4, 8, 16, 32]
+    fit = fit_growth(sizes, [0.003 + 0.001 * b ** 0.8 for b in sizes])
+    assert fit.exponent == pytest.approx(0.8)
+    assert fit.fixed == pytest.approx(0.003, rel=0.02)
+    assert fit(64) == pytest.approx(0.003 + 0.001 * 64 ** 0.8, rel=0.01)
+    one = fit_growth([4], [0.02])
+    assert one(8) == pytest.approx(0.04) and "in proportion" in one.how
+
+
+def test_hardware_presets_load_and_bad_files_are_refused(tmp_path):
+    assert {"a100", "h100", "h200"} <= set(preset_names())
+    for name in preset_names():
+        hw = load_hardware(name)
+        assert hw.sources and hw.peak_flops > 1e14 and hw.memory_bytes >= 40e9
+    text = (tmp_path / "x.toml")
+    good = load_hardware("h100").file
+    assert good == "preset h100"
+    base = ('name = "x"\npeak_flops = 1e15\nmemory_bytes = 8e10\nmemory_bandwidth = 3e12\nnvlink_bandwidth = 4e11\n'
+            'network_bandwidth = {net}\n[assumed]\nmodel_flops_utilization = 0.4\nnvlink_latency = 1e-5\n'
+            'network_latency = 2e-5\ncontext_bytes = {ctx}\n')
+    text.write_text(base.format(net="5e10", ctx="2e9"))
+    assert load_hardware(str(text)).network_bandwidth == 5e10
+    for net, ctx, said in (("-5e10", "2e9", "network_bandwidth = -5"), ("5e10", "0", "context_bytes = 0")):
+        text.write_text(base.format(net=net, ctx=ctx))
+        with pytest.raises(UserError, match=said):
+            load_hardware(str(text))
+    text.write_text("peak_flops = 1e15\n")
+    with pytest.raises(UserError, match="missing memory_bytes"):
+        load_hardware(str(text))
+
+
+def _cli(*args: str, cwd):
+    return autotune_cli(*args, cwd=cwd, timeout=300)
+
+
+def _one_line_error(proc, *words: str) -> None:
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("autotune: error:"), proc.stderr
+    for w in words:
+        assert w in lines[0], lines[0]
+
+
+def test_predict_the_builtin_study_matches_its_own_trials(builtin_study, tmp_path):
+    """Without layer costs the model predicts the study's own layout: each trial it ran is
+    predicted within a quarter of its measured samples/s, and the JSON says what it measured."""
+    study = builtin_study.study
+    proc = _cli("predict", str(study), "--format", "json", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["measured"] is not None
+    assert abs(out["samples_per_second"] / out["measured"]["samples_per_second"] - 1) < 0.25
+    assert out["calibration"]["layer_costs"] is False and out["stage_peak_memory_bytes"] is None
+    assert sum(out["terms_seconds"].values()) == pytest.approx(out["step_seconds"], rel=0.02)
+    assert any("no layer costs" in n for n in out["notes"])
+    text = _cli("predict", str(study), "--micro", "64", cwd=tmp_path)
+    assert text.returncode == 0 and "extrapolated: micro-batch 64 is" in text.stdout
+    _one_line_error(_cli("predict", str(study), "--stages", "4", cwd=tmp_path), "--layer-costs")
+    _one_line_error(_cli("plan", str(study), "--gpus", "8", "--hardware", "h100", cwd=tmp_path), "--layer-costs")
+
+
+def test_predict_other_partitions_and_stages_from_layer_costs(usercmd_study, tmp_path):
+    study = usercmd_study.study
+    base = json.loads(_cli("predict", str(study), "--format", "json", cwd=tmp_path).stdout)
+    assert base["calibration"]["layer_costs"] is True and base["layout"]["parts"] == [0, 2, 6]
+    moved = json.loads(_cli("predict", str(study), "--parts", "0,3,6", "--format", "json", cwd=tmp_path).stdout)
+    assert moved["layout"]["parts"] == [0, 3, 6] and any("partition [0, 3, 6]" in e for e in moved["extrapolated"])
+    assert moved["step_seconds"] != pytest.approx(base["step_seconds"], rel=1e-6)
+    four = json.loads(_cli("predict", str(study), "--stages", "4", "--format", "json", cwd=tmp_path).stdout)
+    assert len(four["layout"]["parts"]) == 5 and len(four["stage_peak_memory_bytes"]) == 4
+    ckpt = json.loads(_cli("predict", str(study), "--checkpoint-interval", "1", "--format", "json",
+                           cwd=tmp_path).stdout)
+    assert ckpt["terms_seconds"]["recompute"] > 0 and ckpt["step_seconds"] > base["step_seconds"]
+    assert ckpt["stage_peak_memory_bytes"] is not None
+    _one_line_error(_cli("predict", str(study), "--parts", "0,2,5", cwd=tmp_path), "partition", "layer count 6")
+    _one_line_error(_cli("predict", str(study), "--stages", "9", cwd=tmp_path), "9 stages for 6 layers")
+
+
+def test_plan_ranks_layouts_and_lists_the_ones_that_overflow(usercmd_study, tmp_path):
+    study = usercmd_study.study
+    proc = _cli("plan", str(study), "--gpus", "16", "--hardware", "h100", "--format", "json", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["ranked"] and out["notes"][0].startswith("extrapolation: the study ran on a CPU")
+    speeds = [x["samples_per_second"] for x in out["ranked"]]
+    assert speeds == sorted(speeds, reverse=True)
+    for x in out["ranked"]:
+        lay = x["layout"]
+        assert lay["stages"] * lay["data_parallel_size"] == 16
+        assert lay["micro_batch_size"] * lay["gradient_accumulation_steps"] * lay["data_parallel_size"] == out["global_batch"]
+    # a device too small for the context the preset assumes: nothing fits, and each says by how much
+    small = json.loads(_cli("plan", str(study), "--gpus", "16", "--hardware", "h100", "--device-memory", "2.1e9",
+                            "--format", "json", cwd=tmp_path).stdout)
+    assert small["ranked"] == [] and small["do_not_fit"]
+    over = small["do_not_fit"][0]
+    assert over["overflow_bytes"] > 0
+    assert over["stage_peak_memory_bytes"][over["overflow_stage"]] == max(over["stage_peak_memory_bytes"])
+    text = _cli("plan", str(study), "--gpus", "16", "--hardware", "h100", "--device-memory", "2.1e9", cwd=tmp_path)
+    assert "no layout fits" in text.stdout and "GiB over the" in text.stdout
+    _one_line_error(_cli("plan", str(study), "--gpus", "16", "--stages", "4", "--dp", "2", "--hardware", "a100",
+                         cwd=tmp_path), "= 8 GPUs, not the --gpus 16")
+    _one_line_error(_cli("plan", str(study), "--gpus", "16", "--global-batch", "12", "--dp", "16", "--hardware", "a100",
+                         cwd=tmp_path), "global batch 12")
+    _one_line_error(_cli("plan", str(study), "--gpus", "16", cwd=tmp_path), "needs --hardware")
+    bad = tmp_path / "hw.toml"
+    bad.write_text("peak_flops = -1\n")
+    _one_line_error(_cli("plan", str(study), "--gpus", "8", "--hardware", str(bad), cwd=tmp_path), str(bad))
+
+
+def test_a_study_with_nothing_to_calibrate_from_is_refused(tmp_path):
+    from autotune.study.store import Study
+
+    empty = tmp_path / "empty"
+    Study.open(empty, create=True, meta={}).close()
+    def files():  # SQLite's own -wal and -shm files come with any reader of a WAL database
+        return sorted(p.name for p in empty.iterdir() if not p.name.endswith(("-wal", "-shm")))
+
+    before = files()
+    _one_line_error(_cli("predict", str(empty), cwd=tmp_path), "no finished trial", "--layer-costs")
+    assert files() == before  # nothing written
+    _one_line_error(_cli("predict", str(tmp_path / "nowhere"), cwd=tmp_path), "not an autotune study")
+    _one_line_error(_cli("plan", str(empty), "--gpus", "8", "--hardware", "h100", cwd=tmp_path), "no finished trial")
+
+
+def test_predict_and_plan_have_help():
+    import subprocess
+
+    for cmd in ("predict", "plan"):
+        out = subprocess.run([sys.executable, "-m", "autotune", cmd, "--help"], capture_output=True, text=True)
+        assert out.returncode == 0 and "docs/model.md" in out.stdout
