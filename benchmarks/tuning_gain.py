@@ -3,7 +3,8 @@
 Goals (issue 2): `autotune run --budget 20` reaches >= 2.5x the baseline trial's
 samples/s, and >= 95 % of the best point of an exhaustive sweep of the same space.
 
-    .venv/bin/python benchmarks/tuning_gain.py [--budget 20] [--repeats 3] [--out DIR]
+    .venv/bin/python benchmarks/tuning_gain.py [--budget 20] [--repeats 3] [--tuner hybrid] [--out DIR]
+    .venv/bin/python benchmarks/tuning_gain.py --budget 5 --tuner model   # issue 26: the model-guided tuner
     .venv/bin/python benchmarks/tuning_gain.py --quick    # CI smoke run: every step, tiny sizes
 
 Steps, all real DeepSpeed trials on this machine:
@@ -53,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tuner", default="hybrid", help="autotune run --tuner (model: the performance model, issue 26)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--quick", action="store_true",
                     help=f"budget 2, sweep of 1 point, 1 repeat, trials of {QUICK_ARGS}: a smoke run (CI)")
@@ -64,9 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
 
-    print(f"1/3 autotune run --budget {args.budget} (study {out / 'tuned'})", flush=True)
+    print(f"1/3 autotune run --budget {args.budget} --tuner {args.tuner} (study {out / 'tuned'})", flush=True)
     proc = subprocess.run([sys.executable, "-m", "autotune", "run", "--budget", str(args.budget),
-                           "--seed", str(args.seed), "--study", str(out / "tuned"), *run_args])
+                           "--seed", str(args.seed), "--tuner", args.tuner, "--study", str(out / "tuned"), *run_args])
     if proc.returncode != 0:
         print("autotune run failed", file=sys.stderr)
         return 1

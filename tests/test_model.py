@@ -195,3 +195,50 @@ def test_predict_and_plan_have_help():
     for cmd in ("predict", "plan"):
         out = subprocess.run([sys.executable, "-m", "autotune", cmd, "--help"], capture_output=True, text=True)
         assert out.returncode == 0 and "docs/model.md" in out.stdout
+
+
+def _space():
+    from autotune.core.space import SearchSpace
+
+    return SearchSpace.build(pipeline_stages=2, data_parallel_size=2, zero_stage=1, global_batch=64,
+                             micro_max=16, bucket_max=240_000, model_parameters=234_048)
+
+
+def test_the_model_tuner_explores_a_second_micro_batch_before_it_trusts_the_model():
+    from autotune.core.space import TrialConfig
+    from autotune.core.trial_result import TrialResult
+    from autotune.tuning.proposers.model_guided import ModelGuidedProposer
+
+    prop = ModelGuidedProposer(_space(), study_root=None)
+    prop.tell(TrialConfig(micro_batch_size=1, gradient_accumulation_steps=32, reduce_bucket_size=240_000), TrialResult(status="ok", samples_per_second=150.0))
+    first = prop.ask()
+    assert first.config.micro_batch_size == 16 and first.config.reduce_bucket_size == 240_000
+    assert "second micro-batch size" in first.reason and first.source == "model"
+    assert prop.converged() is None  # no model yet: no reason to stop
+
+
+def test_the_model_tuner_ranks_untried_points_by_prediction(builtin_study):
+    """On the shared study (three micro-batch sizes measured), every proposal is an untried point
+    with the samples/s it is predicted to reach, and a point it is told back scores its error."""
+    from autotune.core.trial_result import TrialResult
+    from autotune.study.store import open_study_readonly
+    from autotune.tuning.proposers.model_guided import ModelGuidedProposer
+
+    study = open_study_readonly(builtin_study.study)
+    try:
+        rows = study.trials()
+    finally:
+        study.close()
+    space = _space()
+    prop = ModelGuidedProposer(space, study_root=builtin_study.study)
+    for r in rows:
+        prop.tell(r.config, TrialResult(status=r.status, samples_per_second=r.samples_per_second or 0.0))
+    proposal = prop.ask()
+    tried = {r.config.key() for r in rows}
+    assert proposal.config.key() not in tried and space.contains(proposal.config)
+    if "the model predicts" in proposal.reason:
+        predicted = prop.predicted[proposal.config.key()]
+        prop.tell(proposal.config, TrialResult(status="ok", samples_per_second=predicted * 1.1))
+        assert prop.running_error() == pytest.approx(0.1)
+    else:  # the study measured one bucket count: the bucket is what it asks to measure
+        assert "bucket count only" in proposal.reason

@@ -154,7 +154,8 @@ class RunOptions:
                                "noise (docs/tuner.md).", group="study")
     config: str | None = option(None, "Starting ds_config.json (default: the built-in workload's).",
                                 group="study", cli_type=str)
-    tuner: str = option("hybrid", "hybrid, bayes, random, grid, ds-autotuner (optuna-gp, optuna-tpe "
+    tuner: str = option("hybrid", "hybrid, bayes, random, grid, ds-autotuner, model (the performance model: "
+                        "docs/model.md; optuna-gp, optuna-tpe "
                         "with optuna installed).", group="study")
     seed: int = option(0, "Proposer seed.", lo=0, hi=2**32 - 1, group="study")
     trial_timeout: float | None = option(None, "Seconds per trial (default: 4x the slowest finished "

@@ -83,6 +83,8 @@ class SearchSpace:
     bucket_saturation: int | None = None
     """Set when the range ends at the model's parameter count: every bucket at or
     above the range's top reduces the same way (one bucket), so it stands for them."""
+    model_parameters: int | None = None
+    """The model's parameter count where known (the performance model's bucket counts)."""
     min_gas: int = 1
     """Fixed-batch mode: smallest GAS allowed (default: pipeline_stages)."""
 
@@ -137,13 +139,14 @@ class SearchSpace:
                 )
             return cls(pipeline_stages=p, data_parallel_size=dp, micro_batch_sizes=micros,
                        global_batch=global_batch, bucket_range=bucket, bucket_note=note, min_gas=min_gas,
-                       bucket_saturation=saturation)
+                       bucket_saturation=saturation, model_parameters=model_parameters)
         micros, gas = pick(micro_min, micro_max), pick(gas_min, gas_max)
         if not micros or not gas:
             raise UserError("no power-of-two value inside the micro/GAS bounds; widen them")
         return cls(pipeline_stages=p, data_parallel_size=dp, micro_batch_sizes=micros, gas_values=gas,
                    min_global_batch=min_global_batch, max_global_batch=max_global_batch,
-                   bucket_range=bucket, bucket_note=note, bucket_saturation=saturation)
+                   bucket_range=bucket, bucket_note=note, bucket_saturation=saturation,
+                   model_parameters=model_parameters)
 
     def gas_for(self, micro: int) -> int:
         """Fixed-batch mode: the GAS that micro implies."""

@@ -30,7 +30,7 @@ def leave_one_out(model: StudyModel) -> tuple[float | None, int]:
     errors = []
     for i, o in enumerate(obs):
         rest = obs[:i] + obs[i + 1:]
-        cal = calibrate(rest, cores=model.calibration.cores)
+        cal = calibrate(rest, cores=model.calibration.cores, model_parameters=model.calibration.model_parameters)
         try:
             p = predict(cal, _layout_of(o))
         except Exception:  # noqa: BLE001 - a layout the rest cannot say (no layer costs left): not counted

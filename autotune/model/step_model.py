@@ -107,6 +107,7 @@ class Calibration:
     reduce_per_step: float
     buckets_measured: list[int]
     """The bucket counts per stage the reduction was measured at."""
+    model_parameters: int | None
     optimizer_per_parameter: float | None
     optimizer_seconds: list[float]
     data_per_micro: list[float]
@@ -121,8 +122,12 @@ class Calibration:
         return len(self.layers.names) if self.layers else None
 
 
-def calibrate(observations: Sequence[Observation], *, cores: float | None = None) -> Calibration:
-    """Fit the model on `observations` (one study's trials: one model, one machine)."""
+def calibrate(observations: Sequence[Observation], *, cores: float | None = None,
+              model_parameters: int | None = None) -> Calibration:
+    """Fit the model on `observations` (one study's trials: one model, one machine).
+
+    `model_parameters`: the model's parameter count, where the study knows it; without layer
+    costs each stage is taken to hold an equal share (for its bucket count)."""
     obs = [o for o in observations if o.stage]
     if not obs:
         raise UserError("no trial to calibrate from")
@@ -166,7 +171,7 @@ def calibrate(observations: Sequence[Observation], *, cores: float | None = None
         if o.data_parallel_size < 2:
             continue
         for s in range(p):
-            rows.append([_buckets(_stage_parameters(layers, parts, s, p), o.reduce_bucket_size), 1.0])
+            rows.append([_buckets(_stage_parameters(layers, parts, s, p, model_parameters), o.reduce_bucket_size), 1.0])
             ys.append(o.stage[s].reduce_seconds * tail)
     buckets_seen = sorted({int(r[0]) for r in rows})
     if len(buckets_seen) > 1:
@@ -189,7 +194,7 @@ def calibrate(observations: Sequence[Observation], *, cores: float | None = None
                       micro_batches_measured=sorted(set(micro)), cores=cores, stage_work=stage_work, layers=layers,
                       work_scale=scale, forward_share=forward_share, transfer=transfer,
                       reduce_per_bucket=float(per_bucket), reduce_per_step=float(per_step),
-                      buckets_measured=buckets_seen,
+                      buckets_measured=buckets_seen, model_parameters=model_parameters,
                       optimizer_per_parameter=per_param, optimizer_seconds=optimizer, data_per_micro=data,
                       overhead_per_step=0.0, overhead_per_micro=0.0, memory_fixed_bytes=None,
                       memory_kind=obs[0].peak_memory_kind, notes=notes)
@@ -294,9 +299,10 @@ def _forward_share(layers: LayerModel, parts: Sequence[int], s: int, p: int, b: 
     return f / total if total > 0 else 1 / 3
 
 
-def _stage_parameters(layers: LayerModel | None, parts: Sequence[int] | None, s: int, p: int) -> float:
+def _stage_parameters(layers: LayerModel | None, parts: Sequence[int] | None, s: int, p: int,
+                      model_parameters: int | None = None) -> float:
     if layers is None or parts is None or len(parts) != p + 1:
-        return math.nan
+        return model_parameters / p if model_parameters else math.nan
     return float(sum(layers.parameters[parts[s]:parts[s + 1]]))
 
 
@@ -393,7 +399,8 @@ def _step(cal: Calibration, layout: Layout) -> Prediction:
         extrapolated.append(f"core sharing at {p * dp} ranks (measured at {cal.stages * cal.data_parallel_size})")
     run = replay(times, m, [transfer] * max(0, p - 1), replicas=dp, cores=cores)
     tail = core_share(cores, p * dp)
-    reduce = [_reduce(cal, _stage_parameters(cal.layers, parts, s, p), layout) / tail for s in range(p)]
+    reduce = [_reduce(cal, _stage_parameters(cal.layers, parts, s, p, cal.model_parameters), layout) / tail
+              for s in range(p)]
     opt = [_optimizer(cal, parts, s, p, dp) / tail for s in range(p)]
     ends = [run.stage_end_seconds[s] + reduce[s] + opt[s] for s in range(p)]
     slow = int(np.argmax(ends))
@@ -425,8 +432,9 @@ def _step(cal: Calibration, layout: Layout) -> Prediction:
         extrapolated.append(f"partition {parts} (measured {cal.parts}): from each layer's cost")
     measured += [t for t, ok in (("transfer", cal.transfer is not None), ("reduce", cal.data_parallel_size > 1),
                                  ("optimizer", True), ("engine", True)) if ok]
-    if dp > 1 and cal.buckets_measured and cal.layers is not None and parts is not None:
-        counts = [int(_buckets(_stage_parameters(cal.layers, parts, s, p), layout.reduce_bucket_size)) for s in range(p)]
+    if dp > 1 and cal.buckets_measured and (cal.layers is not None or cal.model_parameters):
+        counts = [int(_buckets(_stage_parameters(cal.layers, parts, s, p, cal.model_parameters),
+                               layout.reduce_bucket_size)) for s in range(p)]
         if max(counts) > max(cal.buckets_measured) or min(counts) < min(cal.buckets_measured):
             extrapolated.append(f"reduction in {max(counts)} bucket(s) per stage (measured "
                                 f"{', '.join(map(str, cal.buckets_measured))})")

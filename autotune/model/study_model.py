@@ -33,6 +33,7 @@ def model_of_study(root: str | Path) -> StudyModel:
         host = study.get_meta_json("host") if study.get_meta("host") else None
         workload = study.get_meta_json("workload") if study.get_meta("workload") else None
         command = study.get_meta("user_command")
+        space = study.get_meta_json("space") if study.get_meta("space") else None
     finally:
         study.close()
     obs = observe_study(root)
@@ -48,7 +49,8 @@ def model_of_study(root: str | Path) -> StudyModel:
         else:
             cores = float(len(os.sched_getaffinity(0)))
             notes.append(f"the study did not record its host's cores: taken as this machine's {cores:g}")
-    cal = calibrate(obs, cores=cores)
+    params = space.get("model_parameters") if isinstance(space, dict) else None
+    cal = calibrate(obs, cores=cores, model_parameters=params if isinstance(params, int) else None)
     cal.notes.extend(notes)
     return StudyModel(root=root, calibration=cal, observations=obs, workload=None if command else workload)
 

@@ -107,7 +107,8 @@ def tune(opts: RunOptions, display: ProgressDisplay | None = None, *,
         from autotune.tuning.proposers.registry import make_proposer
 
         moves, fired = _rules_hooks()
-        proposer = make_proposer(opts.tuner, space, seed=opts.seed, moves=moves, budget=opts.budget)
+        proposer = make_proposer(opts.tuner, space, seed=opts.seed, moves=moves, budget=opts.budget,
+                                 study_root=opts.study)
         baseline = baseline_config(base, opts, space)
         wl = opts.workload
         wl.metrics_port = None if opts.no_metrics else opts.rank_metrics_port

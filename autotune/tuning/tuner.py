@@ -326,4 +326,5 @@ def dump_space(space: SearchSpace) -> dict[str, object]:
     return {"description": space.describe(), "micro_batch_sizes": space.micro_batch_sizes,
             "gas_values": space.gas_values, "global_batch": space.global_batch,
             "bucket_range": list(space.bucket_range) if space.bucket_range else None,
-            "pipeline_stages": space.pipeline_stages, "data_parallel_size": space.data_parallel_size}
+            "pipeline_stages": space.pipeline_stages, "data_parallel_size": space.data_parallel_size,
+            "model_parameters": space.model_parameters}

@@ -11,6 +11,7 @@ from autotune.tuning.proposers.base import Proposer
 from autotune.tuning.proposers.baselines import DSAutotunerProposer, GridProposer, RandomProposer
 from autotune.tuning.proposers.bayes import BayesProposer
 from autotune.tuning.proposers.hybrid import HybridProposer, MovesFn
+from autotune.tuning.proposers.model_guided import ModelGuidedProposer
 
 DEFAULT = "hybrid"
 
@@ -31,7 +32,7 @@ OPTUNA = ("optuna-gp", "optuna-tpe")
 
 def names() -> list[str]:
     """Every proposer name usable here (the Optuna ones only when optuna is installed)."""
-    base = ["hybrid", "bayes", "random", "grid", "ds-autotuner"]
+    base = ["hybrid", "bayes", "random", "grid", "ds-autotuner", "model"]
     return base + (list(OPTUNA) if optuna_available() else [])
 
 
@@ -44,11 +45,12 @@ def check_name(name: str) -> None:
 
 
 def make_proposer(name: str, space: SearchSpace, *, seed: int, moves: MovesFn | None = None,
-                  budget: int | None = None) -> Proposer:
+                  budget: int | None = None, study_root: str | None = None) -> Proposer:
     """Build the proposer called `name`.
 
     `moves` (hybrid only) defaults to the rule engine's `propose_moves`;
-    `budget` (hybrid only) enables re-measuring the best point at the end.
+    `budget` (hybrid only) enables re-measuring the best point at the end;
+    `study_root` (model only): the study the performance model calibrates on after each trial.
     """
     builders: dict[str, Callable[[], Proposer]] = {
         "hybrid": lambda: HybridProposer(space, seed=seed, moves=moves or default_moves(), budget=budget),
@@ -56,6 +58,7 @@ def make_proposer(name: str, space: SearchSpace, *, seed: int, moves: MovesFn | 
         "random": lambda: RandomProposer(space, seed=seed),
         "grid": lambda: GridProposer(space, seed=seed),
         "ds-autotuner": lambda: DSAutotunerProposer(space, seed=seed),
+        "model": lambda: ModelGuidedProposer(space, seed=seed, study_root=study_root),
     }
     check_name(name)
     if name in OPTUNA:
