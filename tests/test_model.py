@@ -19,7 +19,17 @@ from launch_helpers import autotune_cli
 from autotune.core.errors import UserError
 from autotune.model.fits import fit_growth
 from autotune.model.hardware import load_hardware, preset_names
-from autotune.model.schedule import BWD, FWD, RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD, StageTimes, instructions, replay
+from autotune.model.schedule import (
+    BWD,
+    FWD,
+    RECV_ACT,
+    RECV_GRAD,
+    SEND_ACT,
+    SEND_GRAD,
+    StageTimes,
+    instructions,
+    replay,
+)
 
 DEEPSPEED_NAMES = {"ForwardPass": FWD, "BackwardPass": BWD, "SendActivation": SEND_ACT,
                    "RecvActivation": RECV_ACT, "SendGrad": SEND_GRAD, "RecvGrad": RECV_GRAD}
