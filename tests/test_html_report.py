@@ -38,7 +38,7 @@ def test_full_study_page_has_every_figure_and_section(tmp_path):
     figs = figures_in(page)
     assert set(figs) == {"convergence", "knob-micro_batch_size", "knob-gradient_accumulation_steps",
                          "knob-reduce_bucket_size", "split-trial-000", "split-trial-004",
-                         "util-trial-000", "util-trial-004"}
+                         "util-trial-000", "util-trial-004", "model-check"}
     assert all(size > 1000 for size in figs.values())
     for name in figs:  # the same figures beside the page, as PNG and SVG
         assert (root / "figures" / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -159,7 +159,7 @@ def test_cli_report_with_out_folder(tmp_path):
     out = tmp_path / "site"
     result = CliRunner().invoke(cli, ["report", str(root), "--out", str(out)])
     assert result.exit_code == 0, result.output
-    assert f"wrote {out / 'report.html'} (8 figures" in result.output
+    assert f"wrote {out / 'report.html'} (9 figures" in result.output
     assert (out / "figures" / "convergence.svg").is_file() and not (root / "report.html").exists()
 
 
@@ -245,3 +245,17 @@ def test_advise_html_refuses_to_overwrite_its_input(tmp_path):
     assert result.exit_code == 2
     assert "would overwrite" in result.output and src.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.csv"]
+
+
+def test_the_model_check_plots_each_trial_held_out(tmp_path):
+    """The figure's points are the model's leave-one-out predictions: each trial predicted by the
+    model calibrated on the others (so no point is the trial's own fit)."""
+    from autotune.model.study_model import model_of_study
+    from autotune.model.validation import held_out
+
+    root = full_study(tmp_path / "st")
+    points = held_out(model_of_study(root))
+    assert len(points) >= 3
+    page = report_on_folder(root).page.read_text()
+    assert "Performance model: predicted against measured" in page
+    assert "leave-one-out" in page

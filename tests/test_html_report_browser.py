@@ -59,7 +59,7 @@ def test_study_page_in_chromium(tmp_path, browser):
 
     root = full_study(tmp_path / "st")
     page = report_on_folder(root).page
-    check_page(browser, page, "study", shots(tmp_path), figures=8)
+    check_page(browser, page, "study", shots(tmp_path), figures=9)
 
 
 @pytest.mark.browser

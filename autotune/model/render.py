@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from autotune.core.space import fmt_bucket
 from autotune.model.plan import Plan, PlannedLayout
-from autotune.model.step_model import Calibration, Prediction, predict
+from autotune.model.step_model import Calibration, Prediction
 from autotune.model.study_model import StudyModel
 
 if TYPE_CHECKING:
@@ -19,24 +19,11 @@ TERM_ORDER = ("compute", "recompute", "transfer", "wait", "reduce", "optimizer",
 
 
 def leave_one_out(model: StudyModel) -> tuple[float | None, int]:
-    """Step-time mean absolute percentage error over the study's trials, each predicted by the
-    model calibrated on the others (None below three trials): the model's error on trials it
-    had not seen."""
-    from autotune.model.step_model import _layout_of, calibrate
+    """The model's step-time error on the study's trials it had not seen, and over how many."""
+    from autotune.model.validation import held_out, mean_abs_error
 
-    obs = model.observations
-    if len(obs) < 3:
-        return None, len(obs)
-    errors = []
-    for i, o in enumerate(obs):
-        rest = obs[:i] + obs[i + 1:]
-        cal = calibrate(rest, cores=model.calibration.cores, model_parameters=model.calibration.model_parameters)
-        try:
-            p = predict(cal, _layout_of(o))
-        except Exception:  # noqa: BLE001 - a layout the rest cannot say (no layer costs left): not counted
-            continue
-        errors.append(abs(p.step_seconds / o.step_seconds - 1))
-    return (statistics.fmean(errors) if errors else None), len(errors)
+    points = held_out(model)
+    return mean_abs_error(points), len(points)
 
 
 def _layout_text(p: Prediction) -> str:

@@ -215,11 +215,11 @@ def _fit_engine(cal: Calibration, obs: Sequence[Observation], tail: float) -> tu
     through the replay; the per-step work is then the mean of what is left, non-negative)."""
     def residuals(per_micro: float) -> tuple[float, float]:
         c = _replace(cal, overhead_per_micro=per_micro, overhead_per_step=0.0)
-        left = [(o.step_seconds - _step(c, _layout_of(o)).step_seconds) / o.step_seconds for o in obs]
+        left = [(o.step_seconds - _step(c, layout_of(o)).step_seconds) / o.step_seconds for o in obs]
         per_step = max(0.0, statistics.fmean(
             [r * o.step_seconds for r, o in zip(left, obs, strict=True)])) * tail
         c = _replace(c, overhead_per_step=per_step)
-        err = sum(((o.step_seconds - _step(c, _layout_of(o)).step_seconds) / o.step_seconds) ** 2 for o in obs)
+        err = sum(((o.step_seconds - _step(c, layout_of(o)).step_seconds) / o.step_seconds) ** 2 for o in obs)
         return err, per_step
 
     scale = statistics.median([o.step_seconds / o.gradient_accumulation_steps for o in obs])
@@ -247,7 +247,8 @@ def _replace(cal: Calibration, **changes: object) -> Calibration:
     return dataclasses.replace(cal, **changes)  # type: ignore[arg-type]
 
 
-def _layout_of(o: Observation) -> Layout:
+def layout_of(o: Observation) -> Layout:
+    """The layout a trial ran."""
     return Layout(micro_batch_size=o.micro_batch_size, gradient_accumulation_steps=o.gradient_accumulation_steps,
                   stages=o.stages, data_parallel_size=o.data_parallel_size, reduce_bucket_size=o.reduce_bucket_size,
                   parts=tuple(o.parts) if o.parts else None, checkpoint_interval=o.checkpoint_interval)
@@ -479,7 +480,7 @@ def _modelled_memory(cal: Calibration, layout: Layout, parts: Sequence[int] | No
 def _memory_fixed(cal: Calibration, obs: Sequence[Observation]) -> list[float] | None:
     per_stage: list[list[float]] = [[] for _ in range(cal.stages)]
     for o in obs:
-        modelled = _modelled_memory(cal, _layout_of(o), o.parts or cal.parts)
+        modelled = _modelled_memory(cal, layout_of(o), o.parts or cal.parts)
         if modelled is None:
             return None
         for s in range(cal.stages):

@@ -207,6 +207,33 @@ def utilization(data: StepData, title: str, name: str) -> Figure:
                    f"{what}.")
 
 
+def model_check(r: StudyReport) -> Figure:
+    """The performance model's held-out prediction of each trial against its measurement."""
+    from autotune.model.validation import mean_abs_error
+
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(HEIGHT * 1.25, HEIGHT))
+    pts = r.held_out
+    measured = [p.measured_samples_per_second for p in pts]
+    predicted = [p.predicted_samples_per_second for p in pts]
+    top = max(measured + predicted) * 1.1
+    ax.plot([0, top], [0, top], color="#777777", linestyle="--", linewidth=1, label="predicted = measured")
+    ax.scatter(measured, predicted, s=36, color=SOURCE_COLORS[1], edgecolor="white", linewidth=0.6, zorder=3)
+    for p in pts:
+        ax.annotate(str(p.trial), (p.measured_samples_per_second, p.predicted_samples_per_second),
+                    xytext=(4, 3), textcoords="offset points", fontsize=7)
+    ax.set_xlim(0, top)
+    ax.set_ylim(0, top)
+    ax.set_xlabel("measured samples/s")
+    ax.set_ylabel("predicted samples/s")
+    ax.legend(loc="upper left", frameon=False)
+    err = mean_abs_error(pts) or 0.0
+    return _finish(plt, fig, "model-check", f"Performance model: predicted against measured ({err * 100:.1f} % error)",
+                   f"Each trial (numbered) as the model calibrated on the study's other trials predicts it "
+                   f"(leave-one-out, docs/model.md): step-time error {err * 100:.1f} % over {len(pts)} trials "
+                   "it had not seen. On the dashed line the prediction is exact.")
+
+
 def study_figures(r: StudyReport) -> list[Figure]:
     """Every figure the study's data allows, in page order."""
     figs: list[Figure] = []
@@ -219,6 +246,8 @@ def study_figures(r: StudyReport) -> list[Figure]:
         figs.append(stage_split(data, f"Time per step: {label}", f"split-trial-{data.trial:03d}", xmax))
     for label, data in pair:
         figs.append(utilization(data, f"Utilization: {label}", f"util-trial-{data.trial:03d}"))
+    if r.held_out:
+        figs.append(model_check(r))
     return figs
 
 

@@ -99,6 +99,8 @@ class StudyReport:
     """What the page cannot show, in words."""
     user_command: dict[str, Any] = field(default_factory=dict)
     """The user's command and what its start-up check read (autotune/usercmd/job.py); empty: built-in."""
+    held_out: list[Any] = field(default_factory=list)
+    """The performance model's prediction of each trial from the others (autotune/model/validation.py)."""
 
     @property
     def trials(self) -> tuple[TrialRow, ...]:
@@ -182,6 +184,9 @@ def gather_study(study: Study) -> StudyReport:
             report.steps[t.number] = data
         else:
             report.missing.append(problem)
+    report.held_out, problem = _held_out(study.root)
+    if problem:
+        report.missing.append(problem)
     if best is not None:
         report.findings, problem = _findings(best)
         if problem:
@@ -190,6 +195,22 @@ def gather_study(study: Study) -> StudyReport:
         if problem:
             report.missing.append(problem)
     return report
+
+
+def _held_out(root: Path) -> tuple[list[Any], str]:
+    """Each trial as the model calibrated on the others predicts it; a reason where it cannot."""
+    from autotune.core.errors import AutotuneError
+    from autotune.model.study_model import model_of_study
+    from autotune.model.validation import MIN_TRIALS, held_out
+
+    try:
+        model = model_of_study(root)
+    except AutotuneError:
+        return [], ""
+    if len(model.observations) < MIN_TRIALS:
+        return [], (f"predicted against measured: the performance model needs {MIN_TRIALS} finished trials to "
+                    f"predict each from the others ({len(model.observations)} here)")
+    return held_out(model), ""
 
 
 def _meta_value(study: Study, key: str) -> Any:

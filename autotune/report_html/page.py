@@ -156,6 +156,8 @@ def render_study(r: StudyReport, figs: Sequence[Figure], figures_href: str) -> s
             parts.append("<p>The best trial is the baseline: one configuration is shown.</p>")
         parts += [_grid(split, figures_href), "<h2>Device utilization over the steps</h2>",
                   _grid(util, figures_href)]
+    if "model-check" in by_name:
+        parts += ["<h2>Could it have predicted the trials?</h2>", _grid([by_name["model-check"]], figures_href)]
     if r.best is not None:
         parts += [f"<h2>Rules that fired on the best trial ({r.best.number})</h2>",
                   _findings(r.findings, "No rule fired on the best trial's measurements.")]
