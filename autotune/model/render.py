@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import statistics
 from typing import TYPE_CHECKING
 
 from autotune.core.space import fmt_bucket
