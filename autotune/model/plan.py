@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 from autotune.core.errors import UserError
 from autotune.core.partition import balanced_parts, in_flight
+from autotune.core.space import powers_of_two
 from autotune.model.hardware import Hardware
 from autotune.model.schedule import StageTimes, replay
 from autotune.model.step_model import DEFAULT_BUCKET, Calibration, Layout, predict
@@ -159,7 +160,7 @@ def plan(model: StudyModel, cluster: Cluster, *, stages: int | None = None, dp: 
     for p in counts:
         d = cluster.gpus // p
         per_replica = cluster.global_batch // d
-        for micro in [b for b in _powers_of_two(per_replica) if per_replica % b == 0]:
+        for micro in [b for b in powers_of_two(1, per_replica) if per_replica % b == 0]:
             for ckpt in (0, 1):
                 lay = Layout(micro_batch_size=micro, gradient_accumulation_steps=per_replica // micro, stages=p,
                              data_parallel_size=d, reduce_bucket_size=_bucket(model), checkpoint_interval=ckpt)
@@ -168,14 +169,6 @@ def plan(model: StudyModel, cluster: Cluster, *, stages: int | None = None, dp: 
     ranked = sorted((x for x in out if x.fits), key=lambda x: -x.samples_per_second)
     too_big = sorted((x for x in out if not x.fits), key=lambda x: x.overflow[1])
     return Plan(cluster=cluster, ranked=ranked, too_big=too_big, notes=notes, scaled=scaled)
-
-
-def _powers_of_two(limit: int) -> list[int]:
-    out, v = [], 1
-    while v <= limit:
-        out.append(v)
-        v *= 2
-    return out
 
 
 def _bucket(model: StudyModel) -> int | None:

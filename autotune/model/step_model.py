@@ -411,10 +411,10 @@ def _step(cal: Calibration, layout: Layout) -> Prediction:
     compute = run.stage_busy_seconds[slow]
     terms = {"compute": compute * (1 - recompute[slow] / max(1e-18, times[slow].forward + times[slow].backward)),
              "recompute": compute * recompute[slow] / max(1e-18, times[slow].forward + times[slow].backward),
-             "transfer": run.stage_transfer_seconds[slow], "wait": 0.0,
+             "transfer": run.stage_transfer_seconds[slow],
+             "wait": max(0.0, ends[slow] - (run.stage_busy_seconds[slow] + run.stage_transfer_seconds[slow]
+                                           + reduce[slow] + opt[slow])),
              "reduce": reduce[slow], "optimizer": opt[slow], "engine": engine}
-    terms["wait"] = max(0.0, ends[slow] - (run.stage_busy_seconds[slow] + run.stage_transfer_seconds[slow]
-                                          + reduce[slow] + opt[slow]))
     terms["compute"] = max(0.0, terms["compute"] - cal.overhead_per_micro * m)  # the engine's part shown as engine
     lo, hi = min(cal.micro_batches_measured), max(cal.micro_batches_measured)
     if b > hi or b < lo:

@@ -135,15 +135,27 @@ class ModelGuidedProposer:
 
     _buckets_measured: list[int] | None = None
 
+    _cache: tuple[int, list[tuple[float, TrialConfig]] | None] | None = None
+
     def _ranked(self, cands: list[TrialConfig]) -> list[tuple[float, TrialConfig]] | None:
         """Untried points by predicted samples/s (weighed by the chance they fit), or None
-        while the model cannot rank them (no study, one micro-batch size measured)."""
+        while the model cannot rank them (no study, one micro-batch size measured). Calibrated
+        once per trial told: `converged()` and `ask()` share it."""
         if self.root is None or len(self.micro_seen) < 2:
             return None
+        if self._cache is not None and self._cache[0] == len(self.seen):
+            return self._cache[1]
+        ranked = self._rank(cands)
+        self._cache = (len(self.seen), ranked)
+        return ranked
+
+    def _rank(self, cands: list[TrialConfig]) -> list[tuple[float, TrialConfig]] | None:
         from autotune.core.errors import AutotuneError
         from autotune.model.step_model import Layout, predict
         from autotune.model.study_model import model_of_study
 
+        if self.root is None:
+            return None
         try:
             model = model_of_study(self.root)
         except AutotuneError:
