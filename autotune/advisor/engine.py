@@ -94,6 +94,9 @@ def _with_config(s: SignalSet, cfg: SignalSet | None) -> SignalSet:
     # A device log knows no batch layout: the config's (with --stages) gives the moves their numbers.
     extra.update({k: cfg.values[k] for k in (*LAYOUT_SIGNALS, "bubble_fraction_ideal")
                   if s.values.get(k) is None and cfg.values.get(k) is not None})
+    measured, ideal = s.values.get("bubble_fraction_measured"), extra.get("bubble_fraction_ideal")
+    if s.values.get("bubble_fraction_excess") is None and measured is not None and ideal is not None:
+        extra["bubble_fraction_excess"] = measured - ideal  # a trace's bubble against the config's GAS
     return dataclasses.replace(s, values={**s.values, **extra}, details={**cfg.details, **s.details})
 
 

@@ -21,7 +21,7 @@ from autotune.advisor.render import print_table, to_json
 from autotune.core.dsconfig import DsConfig, load_ds_config
 from autotune.core.errors import UserError
 from autotune.core.fileio import write_atomic
-from autotune.loaders.detect import NVIDIA_SMI
+from autotune.loaders.detect import NVIDIA_SMI, TRACE
 from autotune.trials.precision import requested_precisions
 
 
@@ -60,7 +60,8 @@ _RULES = click.option("--rules", "rule_files", multiple=True, type=click.Path(di
 @_user_errors
 def advise_command(metrics: tuple[str, ...], config_path: str | None, stages: int | None, fmt: str,
                    write_path: str | None, html_path: str | None, rule_files: tuple[str, ...]) -> None:
-    """Recommendations from METRICS: autotune metrics CSVs, an nvidia-smi CSV or a Prometheus export.
+    """Recommendations from METRICS: autotune metrics CSVs, an nvidia-smi CSV, a Prometheus export
+    or torch.profiler traces (.json, .json.gz; a folder of one job's per-rank traces).
 
     METRICS is one or more files, quoted globs ('run/metrics-rank*.csv') or folders: a study's
     trial folder or the folder instrument() wrote into (its metrics-rank*.csv are one job,
@@ -80,6 +81,11 @@ def advise_command(metrics: tuple[str, ...], config_path: str | None, stages: in
     loaded = load_inputs(metrics, stages=stages)
     if write_path and any(_same_file(write_path, str(p)) for p in loaded.sources):
         raise UserError(f"--write-config {write_path} would overwrite an input; choose a new file")
+    if loaded.format == TRACE:  # a trace folder is the user's (or the profiler's): never written into
+        folders = {os.path.realpath(p.parent) for p in loaded.sources}
+        for out in (write_path, html_path):
+            if out and os.path.realpath(os.path.dirname(os.path.abspath(out))) in folders:
+                raise UserError(f"{out} is inside a trace folder given as input; write it elsewhere")
     notes = list(loaded.notes)
     if stages is not None and loaded.format != NVIDIA_SMI:
         notes.append(f"--stages {stages} is for device logs; {loaded.format} input records its stages itself")
@@ -89,6 +95,8 @@ def advise_command(metrics: tuple[str, ...], config_path: str | None, stages: in
         # The config's micro-batch and GAS with these stages (no world size: a log may be one
         # node of many): the layout rules get their numbers, the ideal bubble included.
         ctx["stages"] = stages
+    if cfg is not None and loaded.layout is not None:  # a trace knows its stages and world, not its batch
+        ctx["stages"], ctx["world_size"] = loaded.layout
     findings = evaluate(loaded.subjects, ds_config=cfg, rules=rules, context=ctx)
     if write_path and cfg is not None:
         _write_json_atomic(Path(write_path), patch_config(cfg, findings))

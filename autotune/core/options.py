@@ -154,6 +154,10 @@ class RunOptions:
                                "noise (docs/tuner.md).", group="study")
     config: str | None = option(None, "Starting ds_config.json (default: the built-in workload's).",
                                 group="study", cli_type=str)
+    trace_steps: int = option(0, "Record a torch.profiler trace of this many steps on every rank, at "
+                              "the baseline and at the best's re-measurement, into traces/ of the trial "
+                              "folder; read by `autotune advise` (docs/traces.md). 0: off.",
+                              lo=0, hi=1000, unit="steps", group="study")
     tuner: str = option("hybrid", "hybrid, bayes, random, grid, ds-autotuner, model (the performance model: "
                         "docs/model.md; optuna-gp, optuna-tpe "
                         "with optuna installed).", group="study")

@@ -93,6 +93,10 @@ class RankPlan(JsonForm):
     """Stage boundaries the trial's PipelineModule is built with (autotune/rank/pipeline_parts.py);
     None: the module's own partition method. The bootstrap forces them on the user's module;
     the built-in workload builds its module itself from its `parts:` partition method."""
+    trace_steps: int = 0
+    """Steps to record a torch.profiler trace of on every rank, into `traces/` of the trial folder
+    (autotune/rank/trace_recorder.py); 0: none. They run after the warm-up and before the
+    measured steps, and are excluded from every summary like the warm-up."""
     limits: dict | None = None
     """How long start-up and a step may take before the rank counts as stalled
     (autotune/rank/watchdog.py StallLimits as a dict); None: no watchdog."""
@@ -103,9 +107,15 @@ class RankPlan(JsonForm):
         return max(self.max_steps, self.steps)
 
     @property
+    def unmeasured_steps(self) -> int:
+        """The steps before the measured ones: the warm-up, then the traced steps (and the
+        profiler's own warm-up step before them)."""
+        return self.warmup_steps + (self.trace_steps + 1 if self.trace_steps > 0 else 0)
+
+    @property
     def total_steps(self) -> int:
-        """Warm-up and the minimum of measured steps: what a trial needs to count."""
-        return self.warmup_steps + self.steps
+        """Warm-up, traced steps and the minimum of measured steps: what a trial needs to count."""
+        return self.unmeasured_steps + self.steps
 
     @property
     def metrics_csv(self) -> str:

@@ -18,7 +18,7 @@ import numpy as np
 from autotune.advisor.signals import SignalSet, from_summary
 from autotune.core.errors import InputFileError
 from autotune.core.summary import TrialSummary
-from autotune.loaders.detect import METRICS, NVIDIA_SMI, PROMETHEUS, detect_format
+from autotune.loaders.detect import METRICS, NVIDIA_SMI, PROMETHEUS, TRACE, detect_format
 from autotune.loaders.inputs import InputGroup, resolve_inputs
 
 
@@ -33,6 +33,9 @@ class LoadedInput:
     """Our metrics CSV's trial summaries (the HTML page's headline figures)."""
     groups: list[InputGroup] = field(default_factory=list)
     """The jobs the inputs were grouped into (files, their name)."""
+    layout: tuple[int, int] | None = None
+    """(stages, world size) where the input knows them but not the batch (a trace): with
+    `--config`, the config's micro-batch and GAS get their layout from it."""
 
     @property
     def sources(self) -> list[Path]:
@@ -61,6 +64,8 @@ def load_inputs(args: Sequence[str], *, stages: int | None = None) -> LoadedInpu
         notes += [n for s in summaries if (n := _old_schema(s))]
         return LoadedInput(format=fmt, subjects=_unique(subjects, groups), notes=list(dict.fromkeys(notes)),
                            summaries=summaries, groups=groups)
+    if fmt == TRACE:
+        return _load_traces(groups)
     if fmt == NVIDIA_SMI:
         from autotune.loaders.nvidia_smi import NOTE, load_nvidia_smi
 
@@ -75,6 +80,31 @@ def load_inputs(args: Sequence[str], *, stages: int | None = None) -> LoadedInpu
         for s in load_prometheus(g.paths[0]):
             subjects.append(replace(s, subject=f"{s.subject} ({g.name})") if len(groups) > 1 else s)
     return LoadedInput(format=fmt, subjects=subjects, notes=[PROM_NOTE], groups=groups)
+
+
+def _load_traces(groups: list[InputGroup]) -> LoadedInput:
+    """Each job's traces as one subject (autotune/loaders/trace.py); a study trial's traces
+    read its micro-batch, GAS and bucket from the trial's ds_config.json."""
+    from autotune.core.dsconfig import load_ds_config
+    from autotune.loaders.trace import read_job_traces, trace_signals, trial_config_beside
+
+    subjects: list[TrialSummary | SignalSet] = []
+    notes: list[str] = []
+    layout = None
+    for g in groups:
+        traces = read_job_traces(g.paths)
+        micro = gas = bucket = None
+        if (cfg_path := trial_config_beside(g.paths)) is not None:
+            cfg = load_ds_config(cfg_path)
+            micro, gas, bucket = cfg.micro_batch_size, cfg.gradient_accumulation_steps, cfg.reduce_bucket_size
+        s, n = trace_signals(traces, name=g.name, micro=micro, gas=gas, bucket=bucket, trial=g.study_trial)
+        subjects.append(s)
+        notes += n
+        stages, world = s.get("pipeline_stages"), traces[0].world_size
+        if stages and world:
+            layout = (int(stages), world)
+    return LoadedInput(format=TRACE, subjects=subjects, notes=list(dict.fromkeys(notes)), groups=groups,
+                       layout=layout)
 
 
 def _summaries(g: InputGroup) -> list[TrialSummary]:

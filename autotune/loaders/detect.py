@@ -1,4 +1,4 @@
-"""Recognise an input file's format from its header line.
+"""Recognise an input file's format from its header line (a trace from its name: .json, .json.gz).
 
 Reads only the first block of the file, so a 1 GB CSV costs nothing here;
 binary and empty files are refused with one line.
@@ -14,7 +14,9 @@ from autotune.core.errors import InputFileError
 METRICS = "metrics"
 NVIDIA_SMI = "nvidia-smi"
 PROMETHEUS = "prometheus"
-FORMATS = (METRICS, NVIDIA_SMI, PROMETHEUS)
+TRACE = "trace"
+"""A torch.profiler (Kineto) Chrome-trace JSON, .json or .json.gz (autotune/traces/)."""
+FORMATS = (METRICS, NVIDIA_SMI, PROMETHEUS, TRACE)
 
 
 def read_header(path: str | Path) -> list[str]:
@@ -46,6 +48,12 @@ def read_header(path: str | Path) -> list[str]:
 
 
 def detect_format(path: str | Path) -> str:
+    from autotune.traces.reader import is_trace_path
+
+    if is_trace_path(path):  # JSON, not a CSV: its content is checked as it is read
+        if not Path(path).is_file():
+            raise InputFileError(f"{path}: no such file")
+        return TRACE
     header = read_header(path)
     names = {h.split(" [")[0] for h in header}
     if {"step_seconds", "rank", "trial"} <= names:
@@ -57,7 +65,8 @@ def detect_format(path: str | Path) -> str:
     shown = ",".join(header)[:80]
     raise InputFileError(
         f"{path}: unrecognised header {shown!r}; expected an autotune metrics CSV, nvidia-smi "
-        "--format=csv output, or a Prometheus export with metric,...,value columns")
+        "--format=csv output, a Prometheus export with metric,...,value columns, or a torch.profiler "
+        "trace (.json, .json.gz)")
 
 
 def read_rows(path: str | Path, what: str) -> list[list[str]]:

@@ -5,6 +5,8 @@
 - A folder holding `metrics-rank*.csv` is one job (a study's `trial-NNN/` folder, or the
   folder `instrument(csv_path="out/metrics-rank{rank}.csv")` wrote into).
 - A study folder (its `trial-*/` folders hold `metrics-rank*.csv`) is one job per trial folder.
+- A folder of torch.profiler traces (`*.json`, `*.json.gz`, as `tensorboard_trace_handler`
+  writes them, a study trial's `traces/`) is one job: its traces are the job's ranks.
 - Any other folder: every CSV in it (per-node nvidia-smi logs, say), each on its own.
 
 Our metrics CSVs of one folder are one job's per-rank files: they are merged, and each
@@ -25,14 +27,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from autotune.core.errors import InputFileError, UserError
-from autotune.loaders.detect import METRICS, NVIDIA_SMI, detect_format
+from autotune.loaders.detect import METRICS, NVIDIA_SMI, TRACE, detect_format
+from autotune.traces.reader import is_trace_path
 
 RANK_CSV = "metrics-rank*.csv"
 TRIAL_DIR = re.compile(r"^trial-(\d+)$")
 NOT_INPUTS = re.compile(r"^layer-costs-rank\d+\.csv$")
 """CSV files beside the metrics that are read by the advice itself, not as inputs."""
 FORMAT_NAMES = {METRICS: "an autotune metrics CSV", NVIDIA_SMI: "an nvidia-smi log",
-                "prometheus": "a Prometheus export"}
+                "prometheus": "a Prometheus export", TRACE: "a torch.profiler trace"}
 GLOB_CHARS = re.compile(r"[*?\[]")
 
 
@@ -73,6 +76,8 @@ def resolve_inputs(args: Sequence[str]) -> list[InputGroup]:
         raise UserError(f"mixed inputs: {a} is {FORMAT_NAMES[formats[a]]}, {b} is {FORMAT_NAMES[formats[b]]}; "
                         "advise each format on its own")
     fmt = next(iter(kinds))
+    if fmt == TRACE:
+        return _trace_jobs(found)
     if fmt != METRICS:
         return [InputGroup(name=f.path.name, paths=(f.path,), format=fmt) for f in found]
     return _metrics_jobs(found)
@@ -117,11 +122,14 @@ def _folder(d: Path) -> list[_Found]:
         return study
     if trials:
         raise InputFileError(f"{d}: a study folder without trial metrics yet (no trial-*/{RANK_CSV})")
+    traces = [e for e in entries if e.is_file() and is_trace_path(e.name)]
+    if traces:  # torch.profiler's tensorboard_trace_handler folder: one job's per-rank traces
+        return [_Found(e, d) for e in traces]
     csvs = [e for e in entries if e.is_file() and e.suffix.lower() == ".csv" and not NOT_INPUTS.match(e.name)]
     if csvs:
         return [_Found(e, None) for e in csvs]
     raise InputFileError(f"{d}: an empty folder" if not entries else
-                         f"{d}: no {RANK_CSV}, no study trial folders and no CSV file in the folder")
+                         f"{d}: no {RANK_CSV}, no study trial folders, no trace and no CSV file in the folder")
 
 
 def _refuse_duplicates(found: list[_Found]) -> None:
@@ -149,6 +157,22 @@ def _metrics_jobs(found: list[_Found]) -> list[InputGroup]:
             name = paths[0].name if len(paths) == 1 else f"{paths[0].name} + {len(paths) - 1} more"
         groups.append(InputGroup(name=name, paths=paths, format=METRICS, study_trial=trial,
                                  partition_method=_partition_method(folder) if trial is not None else None))
+    return groups
+
+
+def _trace_jobs(found: list[_Found]) -> list[InputGroup]:
+    """Traces grouped by folder: the per-rank traces of one job lie in one folder (what
+    tensorboard_trace_handler writes); files of different folders are different jobs."""
+    by_folder: dict[Path, list[Path]] = {}
+    for f in found:
+        by_folder.setdefault(f.folder or f.path.parent, []).append(f.path)
+    groups = []
+    for folder, paths in by_folder.items():
+        trial = TRIAL_DIR.match(folder.resolve().parent.name) if folder.name == "traces" else None
+        name = (f"trial-{int(trial.group(1)):03d}" if trial else paths[0].name if len(paths) == 1
+                else str(folder).rstrip("/"))
+        groups.append(InputGroup(name=name, paths=tuple(paths), format=TRACE,
+                                 study_trial=int(trial.group(1)) if trial else None))
     return groups
 
 

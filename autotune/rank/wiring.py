@@ -3,7 +3,8 @@
 Given the plan (autotune/core/rank_plan.py) and the rank's engine, `wire` sets up the
 probe (autotune/rank/instrument.py) with its CSV records and live endpoint (exporters/),
 the layer-cost hooks (autotune/rank/layer_costs.py) and the step budget
-(autotune/core/step_budget.py) that decides, alike on every rank, when the steps end;
+(autotune/core/step_budget.py) that decides, alike on every rank, when the steps end, and
+the traced steps (autotune/rank/trace_recorder.py);
 `rank_watchdog` is the plan's stall watchdog (autotune/rank/watchdog.py).
 
 Used by a built-in rank (autotune/rank/workload/train.py, fresh or warm through
@@ -81,7 +82,11 @@ def wire(engine: Any, plan: RankPlan, *, seq_length: int | None = None, budget: 
 
     probe = instrument(engine, csv_path=plan.metrics_csv, metrics_port=plan.metrics_port,
                        metrics_addr=plan.metrics_addr, trial=plan.trial, job=plan.job,
-                       warmup_steps=plan.warmup_steps, seq_length=seq_length)
+                       warmup_steps=plan.unmeasured_steps, seq_length=seq_length)
+    if plan.trace_steps:  # outside the probe's timing: writing the trace counts in no step
+        from autotune.rank.trace_recorder import record_trace
+
+        record_trace(engine, plan, process_rank())
     if plan.layer_costs:  # a sink of the probe: written beside the metrics CSV when it closes
         from autotune.rank.layer_costs import attach
 
@@ -91,7 +96,7 @@ def wire(engine: Any, plan: RankPlan, *, seq_length: int | None = None, budget: 
         from autotune.core.step_budget import follow_probe, rank_budget
 
         wiring.budget = rank_budget(
-            steps=plan.steps, warmup_steps=plan.warmup_steps, adaptive=plan.adaptive_steps,
+            steps=plan.steps, warmup_steps=plan.unmeasured_steps, adaptive=plan.adaptive_steps,
             precision=plan.step_precision, cap=plan.step_cap, global_batch=global_batch(engine),
             incumbent_samples_per_second=plan.incumbent_samples_per_second, noise=plan.noise)
         follow_probe(probe, wiring.budget)  # the CSV's step times

@@ -67,11 +67,13 @@ class BuiltinRunner:
         workload = self.workload_for(request)
         fault = workload.fault_for(request.number)
         incumbent = request.incumbent
-        return describe_workload(workload, trial=request.number, trial_dir=str(trial_dir),
+        spec = describe_workload(workload, trial=request.number, trial_dir=str(trial_dir),
                                  ds_config=str(trial_dir / "ds_config.json"),
                                  fault=fault if fault in RANK_FAULTS else None,  # a runner fault stays here
                                  incumbent=(incumbent.samples_per_second, incumbent.noise) if incumbent else None,
                                  limits=request.stall.to_dict() if request.stall is not None else None)
+        spec.plan.trace_steps = request.trace_steps
+        return spec
 
     def _prepare(self, request: TrialRequest) -> tuple[Path, dict[str, Any]]:
         """The trial folder with its ds_config.json and trial.json; the ds_config."""

@@ -55,6 +55,8 @@ class TrialRequest:
     """Stage boundaries the pipeline is built with (the partition step); None: the job's own method."""
     layer_costs: bool | None = None
     """Time every layer (the partition step's measuring trials); None: as the study was started."""
+    trace_steps: int = 0
+    """Steps to record a torch.profiler trace of on every rank (the trace step); 0: none."""
     knob_values: dict[str, str] = field(default_factory=dict)
     """The user's model settings for this trial (the knob sweep, autotune/usercmd/knobs.py)."""
 

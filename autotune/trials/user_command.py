@@ -256,7 +256,8 @@ class UserCommandRunner:
                         step_precision=self.step_length[1], max_steps=self.step_length[2],
                         incumbent_samples_per_second=incumbent.samples_per_second if incumbent else None,
                         noise=incumbent.noise if incumbent else NOISE_MARGIN,
-                        limits=request.stall.to_dict() if request.stall is not None else None)
+                        limits=request.stall.to_dict() if request.stall is not None else None,
+                        trace_steps=request.trace_steps)
         return BootstrapSettings(mode=MODE_TRIAL, plan=plan)
 
     def run(self, request: TrialRequest) -> TrialOutcome:

@@ -122,6 +122,10 @@ def tune(opts: RunOptions, display: ProgressDisplay | None = None, *,
         runner = job.runner(opts, base, note=display.note, cluster=cluster)
         steps = job.steps(opts, base, space, root=study.root, note=display.note, cluster=cluster,
                           noise=float(getattr(proposer, "noise", NOISE_MARGIN)))
+        if opts.trace_steps:
+            from autotune.tuning.trace_step import TraceStep
+
+            steps = [*steps, TraceStep(opts.trace_steps, study.root)]
         callbacks: list[TunerCallback] = [ProgressCallback(display, study)]
         if exporter is not None:
             callbacks.append(LiveMetricsCallback(exporter))

@@ -169,7 +169,7 @@ def _train(spec: TrialSpec, engine, data, rank: int, losses: list[float], inject
     way it failed."""
     import torch
 
-    total = spec.plan.warmup_steps + spec.plan.step_cap
+    total = spec.plan.unmeasured_steps + spec.plan.step_cap
     collapsed_steps, skipped = 0, getattr(engine, "skipped_steps", 0)
     for step in range(total):
         inject_rank_fault(spec.fault, fault_rank=spec.fault_rank, engine=engine, rank=rank, step=step,

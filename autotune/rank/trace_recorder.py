@@ -1,0 +1,58 @@
+"""Record a torch.profiler trace of a few steps on this rank (`--trace-steps N`, issue 27).
+
+The plan's traced steps run after the warm-up and before the measured steps: the profiler
+waits out the warm-up, takes one step of its own warm-up, then records N steps
+(`torch.profiler.schedule(wait=W, warmup=1, active=N)`), and the probe counts all of them as
+unmeasured, so a traced trial's figures are not slowed by the profiler. The trace is written
+by `tensorboard_trace_handler` into the trial folder's `traces/` (`rankR.<id>.pt.trace.json.gz`,
+the name TensorBoard's plugin, HTA and `autotune advise` read), with the operators' input
+shapes (the collectives' sizes and send/receive peers come from them). The wrapper sits
+outside the probe's timing, so writing the file does not count in any step.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from autotune.core.rank_plan import RankPlan
+
+TRACES_DIR = "traces"
+
+
+def traces_dir(trial_dir: str | Path) -> Path:
+    return Path(trial_dir) / TRACES_DIR
+
+
+def record_trace(engine: Any, plan: RankPlan, rank: int) -> None:
+    """Wrap `engine.train_batch` to record the plan's traced steps (nothing when there are none)."""
+    if plan.trace_steps <= 0:
+        return
+    import torch
+    from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
+
+    out = traces_dir(plan.trial_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    activities = [ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(ProfilerActivity.CUDA)
+    steps = plan.warmup_steps + 1 + plan.trace_steps
+    prof = profile(activities=activities, record_shapes=True,
+                   schedule=schedule(wait=plan.warmup_steps, warmup=1, active=plan.trace_steps, repeat=1),
+                   on_trace_ready=tensorboard_trace_handler(str(out), worker_name=f"rank{rank}", use_gzip=True))
+    inner = engine.train_batch
+    calls = 0
+
+    def train_batch(*args: Any, **kwargs: Any) -> Any:
+        nonlocal calls
+        if calls == 0:
+            prof.start()
+        result = inner(*args, **kwargs)
+        calls += 1
+        if calls <= steps:
+            prof.step()  # after the last active step: the trace is written here
+        if calls == steps:
+            prof.stop()
+        return result
+
+    engine.train_batch = train_batch

@@ -1,0 +1,203 @@
+"""Per rank: where the step's time went, from one rank's trace (autotune/traces/rank_trace.py).
+
+Device traces (kernels on device streams), as HTA computes them, so the two can be checked
+against each other (tests/test_traces.py runs HTA on the same files):
+- the steps analysed are every `ProfilerStep` but the last (whose kernels may run past the
+  trace's end), and a device event counts when the host call that launched it started
+  before the last step did;
+- the window is the first such event's start to the last one's end (HTA's "kernel time");
+- compute, communication and memory time are the unions of their kernels; the shares of the
+  window are compute, then communication not hidden under compute, then memory not hidden
+  under either, then other kernels, then idle, so they sum to 1; HTA's "non-compute" is
+  communication + memory + other;
+- overlap is the share of communication time that ran while a compute kernel did (HTA's
+  `get_comm_comp_overlap`).
+
+Host-only traces (a CPU job: gloo, no kernels) have no device time. Every step counts, the
+window is the steps' span, compute is the union of the host's non-communication operators
+and communication the union of c10d/gloo operators on any thread; a wait for a peer that no
+operator covers (gloo's `work.wait()`) is idle time.
+
+The same per step: utilization (the busy share of the step's wall time: any kernel on a
+device, a computing operator on a host, as the probe's samplers measure it), and the bubble:
+the idle share between the step's first compute and the end of its last backward (the 1F1B
+fill and drain plus the waits imbalance causes; the optimizer step after it is outside).
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from autotune.traces.intervals import clip, merge, overlap_length, union_length
+from autotune.traces.rank_trace import (
+    COMMUNICATION,
+    COMPUTE,
+    MEMORY,
+    OP_BACKWARD,
+    OP_COMMUNICATION,
+    RankTrace,
+    Step,
+    require_steps,
+)
+
+US = 1e-6
+"""Trace timestamps are microseconds."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankBreakdown:
+    label: str
+    rank: int | None
+    device: bool
+    """True: from device kernels; False: a host-only trace (no device time in it)."""
+    steps: list[Step]
+    """The steps analysed."""
+    window_seconds: float
+    compute_share: float
+    communication_share: float
+    """Communication not hidden under compute."""
+    memory_share: float | None
+    other_share: float | None
+    idle_share: float
+    compute_seconds: float
+    """Compute time in the window (the union), per step."""
+    communication_seconds: float
+    """Communication time in the window (the union, hidden or not), per step."""
+    overlap: float | None
+    """Share of communication time that ran under compute; None without communication."""
+    utilization: list[float] = field(default_factory=list)
+    """Per analysed step: the busy share of its wall time."""
+    bubbles: list[float] = field(default_factory=list)
+    """Per analysed step with a backward: idle share from the first compute to the last backward's end."""
+    step_seconds: list[float] = field(default_factory=list)
+
+    @property
+    def non_compute_share(self) -> float:
+        return 1.0 - self.compute_share - self.idle_share
+
+    @property
+    def comm_compute_ratio(self) -> float | None:
+        return self.communication_seconds / self.compute_seconds if self.compute_seconds > 0 else None
+
+    @property
+    def bubble(self) -> float | None:
+        return statistics.median(self.bubbles) if self.bubbles else None
+
+
+def breakdown(t: RankTrace) -> RankBreakdown:
+    require_steps(t)
+    return _device(t) if t.has_device else _host(t)
+
+
+def _launch_times(t: RankTrace) -> np.ndarray:
+    """Each device event's launch time (NaN where no host call in the trace launched it)."""
+    out = np.full(len(t.dev_corr), np.nan)
+    if len(t.launch_corr) == 0:
+        return out
+    order = np.argsort(t.launch_corr, kind="stable")
+    corr, ts = t.launch_corr[order], t.launch_ts[order]
+    idx = np.clip(np.searchsorted(corr, t.dev_corr), 0, len(corr) - 1)
+    hit = (corr[idx] == t.dev_corr) & (t.dev_corr >= 0)
+    out[hit] = ts[idx[hit]]
+    return out
+
+
+def _device(t: RankTrace) -> RankBreakdown:
+    steps = t.steps[:-1] if len(t.steps) > 1 else t.steps
+    launched = _launch_times(t)
+    cutoff = t.steps[-1].ts if len(t.steps) > 1 else t.steps[0].end
+    keep = launched < cutoff  # NaN compares False: events no traced host call launched
+    ts, end, kind, lts = t.dev_ts[keep], t.dev_ts[keep] + t.dev_dur[keep], t.dev_kind[keep], launched[keep]
+    if len(ts) == 0:
+        return _empty(t, steps, device=True)
+    lo, hi = float(ts.min()), float(end.max())
+    window = hi - lo
+    comp = (ts[kind == COMPUTE], end[kind == COMPUTE])
+    comm = (ts[kind == COMMUNICATION], end[kind == COMMUNICATION])
+    mem = (ts[kind == MEMORY], end[kind == MEMORY])
+    c = union_length(*comp)
+    c_k = union_length(np.concatenate([comp[0], comm[0]]), np.concatenate([comp[1], comm[1]]))
+    c_k_m = union_length(np.concatenate([comp[0], comm[0], mem[0]]), np.concatenate([comp[1], comm[1], mem[1]]))
+    busy = union_length(ts, end)
+    k = union_length(*comm)
+    n = len(steps)
+    bubbles = []
+    for s in steps:
+        bwd_end = _last_backward_end(t, s)
+        if bwd_end is None:
+            continue
+        sel = (kind == COMPUTE) & (lts >= s.ts) & (lts <= bwd_end)
+        if sel.any():
+            bubbles.append(_idle_share(ts[sel], end[sel]))
+    return RankBreakdown(
+        label=t.label, rank=t.rank, device=True, steps=steps, window_seconds=window * US,
+        compute_share=c / window, communication_share=(c_k - c) / window, memory_share=(c_k_m - c_k) / window,
+        other_share=(busy - c_k_m) / window, idle_share=(window - busy) / window,
+        compute_seconds=c * US / n, communication_seconds=k * US / n,
+        overlap=overlap_length(comp, comm) / k if k > 0 else None,
+        utilization=[_busy_share(ts, end, s) for s in steps], bubbles=bubbles,
+        step_seconds=[s.dur * US for s in steps])
+
+
+def _host(t: RankTrace) -> RankBreakdown:
+    steps = t.steps
+    lo, hi = steps[0].ts, steps[-1].end
+    window = hi - lo
+    ops_end = t.cpu_ts + t.cpu_dur
+    is_comm = t.cpu_kind == OP_COMMUNICATION
+    comp = clip(t.cpu_ts[~is_comm], ops_end[~is_comm], lo, hi)
+    comm = clip(t.cpu_ts[is_comm], ops_end[is_comm], lo, hi)
+    c = union_length(*comp)
+    k = union_length(*comm)
+    busy = union_length(np.concatenate([comp[0], comm[0]]), np.concatenate([comp[1], comm[1]]))
+    n = len(steps)
+    host = t.cpu_tid == t.host_thread
+    bubbles = []
+    for s in steps:
+        bwd_end = _last_backward_end(t, s)
+        if bwd_end is None:
+            continue
+        sel = host & ~is_comm & (t.cpu_ts >= s.ts) & (ops_end <= bwd_end)
+        if sel.any():
+            bubbles.append(_idle_share(t.cpu_ts[sel], ops_end[sel]))
+    return RankBreakdown(
+        label=t.label, rank=t.rank, device=False, steps=steps, window_seconds=window * US,
+        compute_share=c / window if window > 0 else 0.0,
+        communication_share=(busy - c) / window if window > 0 else 0.0,
+        memory_share=None, other_share=None,
+        idle_share=(window - busy) / window if window > 0 else 0.0,
+        compute_seconds=c * US / n, communication_seconds=k * US / n,
+        overlap=overlap_length(comp, comm) / k if k > 0 else None,
+        utilization=[_busy_share(*comp, s) for s in steps], bubbles=bubbles,
+        step_seconds=[s.dur * US for s in steps])
+
+
+def _empty(t: RankTrace, steps: list[Step], *, device: bool) -> RankBreakdown:
+    return RankBreakdown(label=t.label, rank=t.rank, device=device, steps=steps, window_seconds=0.0,
+                         compute_share=0.0, communication_share=0.0, memory_share=None, other_share=None,
+                         idle_share=1.0, compute_seconds=0.0, communication_seconds=0.0, overlap=None,
+                         step_seconds=[s.dur * US for s in steps])
+
+
+def _busy_share(starts: np.ndarray, ends: np.ndarray, s: Step) -> float:
+    if s.dur <= 0:
+        return 0.0
+    return union_length(*clip(starts, ends, s.ts, s.end)) / s.dur
+
+
+def _last_backward_end(t: RankTrace, s: Step) -> float | None:
+    """The end of the step's last autograd backward operator (any thread: CUDA's backward runs
+    on the autograd engine's device thread, a CPU's on the training thread)."""
+    sel = (t.cpu_kind == OP_BACKWARD) & (t.cpu_ts >= s.ts) & (t.cpu_ts < s.end)
+    if not sel.any():
+        return None
+    return float((t.cpu_ts[sel] + t.cpu_dur[sel]).max())
+
+
+def _idle_share(starts: np.ndarray, ends: np.ndarray) -> float:
+    s, e = merge(starts, ends)
+    span = float(e.max() - s.min())
+    return 1.0 - float((e - s).sum()) / span if span > 0 else 0.0
