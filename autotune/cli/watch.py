@@ -29,11 +29,14 @@ _D = WatchOptions()
               help="Steps of each rank that an evaluation summarizes (the last N; 0 = all so far).")
 @click.option("--warmup-steps", type=click.IntRange(min=0), default=_D.warmup_steps, show_default=True,
               help="First steps of each rank left out of every summary.")
+@click.option("--trace-steps", type=click.IntRange(min=0, max=1000), default=_D.trace_steps, show_default=True,
+              help="Record a torch.profiler trace of this many steps on every rank, after the warm-up, into "
+                   "OUT/run-NNN/traces/ (read by `autotune advise`; docs/traces.md). 0: off.")
 @click.option("--quiet", is_flag=True, help="Do not echo the job's output (it is in OUT/run-NNN/launcher.log).")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED, metavar="-- COMMAND...")
 def watch_command(out: str, config: str | None, job: str, metrics_port: int, rank_metrics_port: int,
                   metrics_addr: str, no_metrics: bool, interval: float, window: int, warmup_steps: int,
-                  quiet: bool, command: tuple[str, ...]) -> None:
+                  trace_steps: int, quiet: bool, command: tuple[str, ...]) -> None:
     """Run your training job unchanged, instrumented, for as long as it runs.
 
     autotune watch -- deepspeed train.py --deepspeed_config ds_config.json
@@ -47,5 +50,6 @@ def watch_command(out: str, config: str | None, job: str, metrics_port: int, ran
 
     opts = WatchOptions(out=out, config=config, job=job, metrics_port=metrics_port,
                         rank_metrics_port=rank_metrics_port, metrics_addr=metrics_addr, no_metrics=no_metrics,
-                        interval=interval, window=window, warmup_steps=warmup_steps, echo=not quiet)
+                        interval=interval, window=window, warmup_steps=warmup_steps, trace_steps=trace_steps,
+                        echo=not quiet)
     sys.exit(watch(list(command), opts, cwd=Path.cwd(), display=ProgressDisplay()))

@@ -78,6 +78,15 @@ class StepData:
 
 
 @dataclass(kw_only=True, slots=True)
+class TrialTraces:
+    """One trial's profiler traces (trial-NNN/traces/, one file per rank)."""
+
+    number: int
+    kind: str
+    files: list[Path]
+
+
+@dataclass
 class StudyReport:
     root: Path
     settings: dict[str, Any]
@@ -101,6 +110,8 @@ class StudyReport:
     """The user's command and what its start-up check read (autotune/usercmd/job.py); empty: built-in."""
     held_out: list[Any] = field(default_factory=list)
     """The performance model's prediction of each trial from the others (autotune/model/validation.py)."""
+    traces: list[TrialTraces] = field(default_factory=list)
+    """The torch.profiler traces the study's trials recorded (`--trace-steps`)."""
 
     @property
     def trials(self) -> tuple[TrialRow, ...]:
@@ -187,6 +198,12 @@ def gather_study(study: Study) -> StudyReport:
     report.held_out, problem = _held_out(study.root)
     if problem:
         report.missing.append(problem)
+    report.traces = _traces(study.root, trials)
+    traced = {t.number for t in report.traces}
+    traced_keys = {t.config.key() for t in trials if t.number in traced}
+    if int(report.settings.get("trace_steps") or 0) and best is not None and best.config.key() not in traced_keys:
+        report.missing.append("no trace of the best configuration: it was not run again after it became the "
+                              "best (the trace step records the baseline and the best's re-measurement)")
     if best is not None:
         report.findings, problem = _findings(best)
         if problem:
@@ -195,6 +212,20 @@ def gather_study(study: Study) -> StudyReport:
         if problem:
             report.missing.append(problem)
     return report
+
+
+def _traces(root: Path, trials: list[TrialRow]) -> list[TrialTraces]:
+    from autotune.rank.trace_recorder import traces_dir
+    from autotune.traces.reader import is_trace_path
+
+    out = []
+    for number in sorted({t.number for t in trials}):
+        folder = traces_dir(root / f"trial-{number:03d}")
+        files = sorted(p for p in folder.glob("*") if is_trace_path(p.name)) if folder.is_dir() else []
+        if files:
+            kind = next(t.source for t in trials if t.number == number)
+            out.append(TrialTraces(number=number, kind=kind, files=files))
+    return out
 
 
 def _held_out(root: Path) -> tuple[list[Any], str]:

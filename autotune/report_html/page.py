@@ -7,6 +7,7 @@ artifact. Every text that came from data is escaped with `html.escape`.
 from __future__ import annotations
 
 import base64
+import os
 import statistics
 import time
 from collections.abc import Iterable, Sequence
@@ -162,8 +163,25 @@ def render_study(r: StudyReport, figs: Sequence[Figure], figures_href: str) -> s
         parts += [f"<h2>Rules that fired on the best trial ({r.best.number})</h2>",
                   _findings(r.findings, "No rule fired on the best trial's measurements.")]
         parts += ["<h2>Best configuration against the starting one</h2>", _diff(r)]
+    if r.traces:
+        parts += ["<h2>Profiler traces</h2>", _traces(r)]
     parts += ["<h2>Every trial</h2>", _trial_table(r)]
     return _page(f"autotune report: {name}", "".join(parts))
+
+
+def _traces(r: StudyReport) -> str:
+    """Each traced trial's files (linked), the command that reads them and where to open them."""
+    rows = []
+    for t in r.traces:
+        links = ", ".join(f'<a href="{escape(os.path.relpath(f, r.root))}">{escape(f.name.split(".")[0])}</a>'
+                          for f in t.files)
+        folder = f"{r.root}/trial-{t.number:03d}/traces"
+        rows.append(f"<tr><td class=num>{t.number}</td><td>{escape(t.kind)}</td><td>{links}</td>"
+                    f"<td><code>autotune advise {escape(folder)}</code></td></tr>")
+    head = "<tr><th>trial</th><th>proposed by</th><th>one trace per rank</th><th>advice from them</th></tr>"
+    return (f'<div class="table"><table>{head}{"".join(rows)}</table></div>'
+            "<p>Open a trace in Perfetto (<code>https://ui.perfetto.dev</code>, Open trace file) or in Chrome's "
+            "<code>chrome://tracing</code> (Load); HTA's <code>TraceAnalysis(trace_dir=...)</code> reads the folder.</p>")
 
 
 def _headline(r: StudyReport) -> str:

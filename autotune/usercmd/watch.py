@@ -68,6 +68,9 @@ class WatchOptions:
     """Each evaluation summarizes the last `window` steps of every rank (0: all so far)."""
     warmup_steps: int = 2
     """The first steps of each rank, left out of every summary (start-up is not the job)."""
+    trace_steps: int = 0
+    """Record a torch.profiler trace of this many steps on every rank, after the warm-up, into
+    RUN/traces/ (autotune/rank/trace_recorder.py); 0: none."""
     echo: bool = True
     """Echo the job's output here (it is in RUN/launcher.log either way)."""
 
@@ -100,7 +103,7 @@ def prepare(argv: list[str], opts: WatchOptions, *, cwd: Path) -> PreparedWatch:
         raise UserError(f"DeepSpeed config {config}: not a JSON object")
     check_launcher_installed(cmd)
     resolve_cluster(cmd.cluster_options(), None)  # the command's hostfile, launcher and hosts (pdsh/ssh)
-    if opts.interval <= 0 or opts.window < 0 or opts.warmup_steps < 0:
+    if opts.interval <= 0 or opts.window < 0 or opts.warmup_steps < 0 or opts.trace_steps < 0:
         raise UserError("--interval must be > 0, --window and --warmup-steps >= 0")
     return PreparedWatch(command=cmd, config=config, cwd=cwd)
 
@@ -231,7 +234,7 @@ class Watch:
         o = self.opts
         live = not o.no_metrics
         settings = BootstrapSettings(mode=MODE_WATCH, plan=RankPlan(
-            trial_dir=str(self.run_dir), trial=-1, warmup_steps=o.warmup_steps,
+            trial_dir=str(self.run_dir), trial=-1, warmup_steps=o.warmup_steps, trace_steps=o.trace_steps,
             metrics_port=o.rank_metrics_port if live else None, metrics_addr=o.metrics_addr, job=o.job))
         note = self.say
         note(f"watch: {' '.join(self.p.command.argv)}")
