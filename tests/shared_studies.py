@@ -5,11 +5,12 @@ only read a finished study read one of these instead of running their own. Each 
 value (folders, exit code, output); a test that changes a study works on `copy_study`'s copy.
 
 - `builtin_study`: the built-in workload as the README runs it (2 stages x 2 dp, ZeRO-1, warm
-  workers), budget 3, every trial healthy.
+  workers), budget 3, every trial healthy, with a 2-step profiler trace of the baseline
+  (`--trace-steps 2`: tests/test_traces.py).
 - `fault_study`: the built-in workload on 2 ranks with a fault injected in most trials
   (autotune/core/faults.py) and the checkpoint step after the out-of-memory one.
 - `usercmd_study`: `autotune run -- deepspeed examples/pipeline_train.py ...`, the user's
-  script unchanged, budget 3, with the layer-cost hooks and given parts.
+  script unchanged, budget 3, with the layer-cost hooks, given parts and a 2-step trace.
 """
 
 from __future__ import annotations
@@ -64,9 +65,14 @@ def _run(root: Path, *args: str, command: tuple[str, ...] = (), env: dict | None
                        stderr=proc.stderr, alive_after=alive_under(root), shm_leaked=leaked, command=command)
 
 
+TRACE_STEPS = 2
+"""Steps the shared studies trace (the baseline's, and the best's re-measurement if one runs)."""
+
+
 def run_builtin_study(root: Path) -> SharedStudy:
     """`autotune run --budget 3` with the default config (dp 2, 4 ranks), 2 measured steps."""
-    return _run(root, "--budget", "3", "--steps", "2", "--warmup-steps", "1", "--fixed-steps")
+    return _run(root, "--budget", "3", "--steps", "2", "--warmup-steps", "1", "--fixed-steps",
+                "--trace-steps", str(TRACE_STEPS))
 
 
 # The loss-scale collapse needs fp16 (only fp16 has a dynamic loss scale), and whether
@@ -112,7 +118,7 @@ def run_usercmd_study(root: Path) -> SharedStudy:
                "--deepspeed_config", str(USER_CONFIG), "--steps", "100000", "--save-dir", "ckpt")
     return _run(root, "--budget", "3", "--steps", "2", "--warmup-steps", "1", "--fixed-steps",
                 "--trial-timeout", "600", "--layer-costs", "--partition-method", USER_PARTS,
-                command=command, env=user_env())
+                "--trace-steps", str(TRACE_STEPS), command=command, env=user_env())
 
 
 def copy_study(shared: SharedStudy, dest: Path) -> Path:

@@ -8,6 +8,7 @@ import sqlite3
 
 import pytest
 from launch_helpers import run_ranks
+from shared_studies import TRACE_STEPS
 
 from autotune.core.schema import CSV_COLUMNS, REQUIRED_COLUMNS
 
@@ -50,7 +51,11 @@ def test_trial_folders_and_csv_schema(study):
             rows = list(csv.DictReader(fh))
         assert tuple(rows[0].keys()) == CSV_COLUMNS
         assert set(REQUIRED_COLUMNS) <= set(rows[0])
-        assert len(rows) == 3 and [r["warmup"] for r in rows] == ["1", "0", "0"]
+        # the warm-up step, then (traced trials: tests/test_traces.py) the profiler's warm-up,
+        # the traced steps and the settling step, all unmeasured; then the 2 measured steps
+        traced = (d / "traces").is_dir()
+        unmeasured = 1 + (TRACE_STEPS + 2 if traced else 0)
+        assert [r["warmup"] for r in rows] == ["1"] * unmeasured + ["0", "0"]
         assert rows[0]["memory_fragmentation_ratio"] == ""  # not available on CPU, never 0
         assert int(rows[0]["micro_batch_size"]) == cfg["train_micro_batch_size_per_gpu"]
 

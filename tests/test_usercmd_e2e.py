@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from launch_helpers import autotune_cli
-from shared_studies import copy_study
+from shared_studies import TRACE_STEPS, copy_study
 
 from autotune.trials.launcher import free_port, remove_shm_buffers
 
@@ -62,7 +62,8 @@ def test_every_trial_ran_the_users_script_and_succeeded(loader_study):
     for n in range(3):
         d = study / f"trial-{n:03d}"
         assert sorted(p.name for p in d.glob("metrics-rank*.csv")) == ["metrics-rank0.csv", "metrics-rank1.csv"]
-        assert len((d / "metrics-rank1.csv").read_text().splitlines()) == 1 + 3  # header + warm-up + 2 steps
+        traced = TRACE_STEPS + 2 if (d / "traces").is_dir() else 0  # + the profiler's warm-up and settling
+        assert len((d / "metrics-rank1.csv").read_text().splitlines()) == 1 + 3 + traced  # header + warm-up + 2 steps
 
 
 def test_the_outputs_name_the_users_command_and_what_its_start_up_check_read(loader_study):

@@ -96,7 +96,7 @@ class RankPlan(JsonForm):
     trace_steps: int = 0
     """Steps to record a torch.profiler trace of on every rank, into `traces/` of the trial folder
     (autotune/rank/trace_recorder.py); 0: none. They run after the warm-up and before the
-    measured steps, and are excluded from every summary like the warm-up."""
+    measured steps, and are excluded from every summary like the warm-up (`unmeasured_steps`)."""
     limits: dict | None = None
     """How long start-up and a step may take before the rank counts as stalled
     (autotune/rank/watchdog.py StallLimits as a dict); None: no watchdog."""
@@ -108,9 +108,11 @@ class RankPlan(JsonForm):
 
     @property
     def unmeasured_steps(self) -> int:
-        """The steps before the measured ones: the warm-up, then the traced steps (and the
-        profiler's own warm-up step before them)."""
-        return self.warmup_steps + (self.trace_steps + 1 if self.trace_steps > 0 else 0)
+        """The steps before the measured ones: the warm-up, then the traced steps with the
+        profiler's own warm-up step before them and one step after them, which absorbs the
+        ranks' different times writing their trace (the first measured step waited for the
+        slowest writer without it)."""
+        return self.warmup_steps + (self.trace_steps + 2 if self.trace_steps > 0 else 0)
 
     @property
     def total_steps(self) -> int:

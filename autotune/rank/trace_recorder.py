@@ -2,12 +2,16 @@
 
 The plan's traced steps run after the warm-up and before the measured steps: the profiler
 waits out the warm-up, takes one step of its own warm-up, then records N steps
-(`torch.profiler.schedule(wait=W, warmup=1, active=N)`), and the probe counts all of them as
-unmeasured, so a traced trial's figures are not slowed by the profiler. The trace is written
+(`torch.profiler.schedule(wait=W, warmup=1, active=N)`), and the probe counts all of them, and
+one step after them, as unmeasured (`RankPlan.unmeasured_steps`), so a traced trial's figures
+are not slowed by the profiler. The probe's CSV rows of the traced steps are kept (as warm-up
+rows): one trial measured both ways, which tests/test_traces.py compares. The trace is written
 by `tensorboard_trace_handler` into the trial folder's `traces/` (`rankR.<id>.pt.trace.json.gz`,
 the name TensorBoard's plugin, HTA and `autotune advise` read), with the operators' input
 shapes (the collectives' sizes and send/receive peers come from them). The wrapper sits
-outside the probe's timing, so writing the file does not count in any step.
+outside the probe's timing, so writing the file does not count in any step. While it records,
+each pipeline instruction runs under a `deepspeed:<Instruction>` range (autotune/core/trace_labels.py),
+so the trace shows the schedule the probe times.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from autotune.core.rank_plan import RankPlan
+from autotune.core.trace_labels import INSTRUCTION_PREFIX
 
 TRACES_DIR = "traces"
 
@@ -42,6 +47,7 @@ def record_trace(engine: Any, plan: RankPlan, rank: int) -> None:
                    on_trace_ready=tensorboard_trace_handler(str(out), worker_name=f"rank{rank}", use_gzip=True))
     inner = engine.train_batch
     calls = 0
+    untraced = _label_instructions(engine)
 
     def train_batch(*args: Any, **kwargs: Any) -> Any:
         nonlocal calls
@@ -53,6 +59,30 @@ def record_trace(engine: Any, plan: RankPlan, rank: int) -> None:
             prof.step()  # after the last active step: the trace is written here
         if calls == steps:
             prof.stop()
+            untraced()  # the measured steps run without the ranges
         return result
 
     engine.train_batch = train_batch
+
+
+def _label_instructions(engine: Any) -> Any:
+    """Run each instruction of the engine's map under a profiler range; returns the undo."""
+    from torch.profiler import record_function
+
+    current = engine.__dict__.get("_INSTRUCTION_MAP")
+    source = current if current is not None else engine._INSTRUCTION_MAP
+
+    def labelled(fn: Any, name: str) -> Any:
+        def run(engine_self: Any, **kwargs: Any) -> Any:
+            with record_function(name):
+                return fn(engine_self, **kwargs)
+        return run
+
+    engine._INSTRUCTION_MAP = {cls: labelled(fn, INSTRUCTION_PREFIX + cls.__name__) for cls, fn in source.items()}
+
+    def undo() -> None:
+        if current is None:
+            del engine._INSTRUCTION_MAP
+        else:
+            engine._INSTRUCTION_MAP = current
+    return undo

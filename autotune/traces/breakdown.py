@@ -18,6 +18,12 @@ window is the steps' span, compute is the union of the host's non-communication 
 and communication the union of c10d/gloo operators on any thread; a wait for a peer that no
 operator covers (gloo's `work.wait()`) is idle time.
 
+Where the trace labels DeepSpeed's pipeline instructions (a trial's trace, autotune/core/trace_labels.py),
+a host trace's compute, communication, waits and bubble are the probe's own: compute is the
+forward, backward and optimizer instructions, communication the sends, receives and
+reductions, and a send's or receive's wait for its peer is its time beyond the fastest of its
+kind (autotune/rank/p2p_split.py); the forward passes per step are the micro-batches.
+
 The same per step: utilization (the busy share of the step's wall time: any kernel on a
 device, a computing operator on a host, as the probe's samplers measure it), and the bubble:
 the idle share between the step's first compute and the end of its last backward (the 1F1B
@@ -31,6 +37,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from autotune.core.trace_labels import (
+    BACKWARD,
+    COMPUTE_INSTRUCTIONS,
+    FORWARD,
+    P2P_INSTRUCTIONS,
+    REDUCE_INSTRUCTIONS,
+)
 from autotune.traces.intervals import clip, merge, overlap_length, union_length
 from autotune.traces.rank_trace import (
     COMMUNICATION,
@@ -66,8 +79,14 @@ class RankBreakdown:
     """Compute time in the window (the union), per step."""
     communication_seconds: float
     """Communication time in the window (the union, hidden or not), per step."""
+    peer_wait_seconds: float | None = None
+    """Of it, the time sends and receives waited for their peer, per step (host traces: each
+    one's time beyond the fastest of its kind, the probe's rule, autotune/rank/p2p_split.py);
+    None where the trace cannot tell (an NCCL kernel spins until its peer arrives)."""
     overlap: float | None
     """Share of communication time that ran under compute; None without communication."""
+    micro_batches: int | None = None
+    """Forward passes per step, where the trace labels the instructions."""
     utilization: list[float] = field(default_factory=list)
     """Per analysed step: the busy share of its wall time."""
     bubbles: list[float] = field(default_factory=list)
@@ -79,8 +98,14 @@ class RankBreakdown:
         return 1.0 - self.compute_share - self.idle_share
 
     @property
+    def transfer_seconds(self) -> float:
+        """Communication less the waits for a peer, where the trace tells them apart."""
+        return max(0.0, self.communication_seconds - (self.peer_wait_seconds or 0.0))
+
+    @property
     def comm_compute_ratio(self) -> float | None:
-        return self.communication_seconds / self.compute_seconds if self.compute_seconds > 0 else None
+        """Transfer / compute: a wait for a peer is not communication (README "Signals")."""
+        return self.transfer_seconds / self.compute_seconds if self.compute_seconds > 0 else None
 
     @property
     def bubble(self) -> float | None:
@@ -163,16 +188,58 @@ def _host(t: RankTrace) -> RankBreakdown:
         sel = host & ~is_comm & (t.cpu_ts >= s.ts) & (ops_end <= bwd_end)
         if sel.any():
             bubbles.append(_idle_share(t.cpu_ts[sel], ops_end[sel]))
-    return RankBreakdown(
+    out = RankBreakdown(
         label=t.label, rank=t.rank, device=False, steps=steps, window_seconds=window * US,
         compute_share=c / window if window > 0 else 0.0,
         communication_share=(busy - c) / window if window > 0 else 0.0,
         memory_share=None, other_share=None,
         idle_share=(window - busy) / window if window > 0 else 0.0,
         compute_seconds=c * US / n, communication_seconds=k * US / n,
+        peer_wait_seconds=_p2p_waits(t, lo, hi) * US / n,
         overlap=overlap_length(comp, comm) / k if k > 0 else None,
         utilization=[_busy_share(*comp, s) for s in steps], bubbles=bubbles,
         step_seconds=[s.dur * US for s in steps])
+    return _with_instructions(out, t) if t.instructions else out
+
+
+def _with_instructions(b: RankBreakdown, t: RankTrace) -> RankBreakdown:
+    """The probe's compute, transfer, wait, bubble and micro-batches, from the labelled instructions."""
+    from dataclasses import replace
+
+    steps = b.steps
+    ins = [i for i in t.instructions if steps[0].ts <= i.ts < steps[-1].end]
+    fastest: dict[str, float] = {}
+    for i in ins:
+        if i.name in P2P_INSTRUCTIONS:
+            fastest[i.name] = min(fastest.get(i.name, i.dur), i.dur)
+    n = len(steps)
+    compute = sum(i.dur for i in ins if i.name in COMPUTE_INSTRUCTIONS)
+    comm = sum(i.dur for i in ins if i.name in P2P_INSTRUCTIONS or i.name in REDUCE_INSTRUCTIONS)
+    wait = sum(i.dur - fastest[i.name] for i in ins if i.name in P2P_INSTRUCTIONS)
+    bubbles, forwards = [], []
+    for s in steps:
+        mine = [i for i in ins if s.ts <= i.ts < s.end]
+        fwd = [i for i in mine if i.name == FORWARD]
+        bwd = [i for i in mine if i.name == BACKWARD]
+        forwards.append(len(fwd))
+        if fwd and bwd:
+            span = max(i.ts + i.dur for i in bwd) - fwd[0].ts
+            busy = sum(i.dur for i in fwd + bwd)
+            bubbles.append(max(0.0, 1.0 - busy / span) if span > 0 else 0.0)
+    return replace(b, compute_seconds=compute * US / n, communication_seconds=comm * US / n,
+                   peer_wait_seconds=wait * US / n, bubbles=bubbles or b.bubbles,
+                   micro_batches=int(statistics.median(forwards)) if any(forwards) else None)
+
+
+def _p2p_waits(t: RankTrace, lo: float, hi: float) -> float:
+    """The sends' and receives' waits for their peer: per kind (direction and size: one tensor
+    shape over one link), the fastest instance is the transfer, as the probe splits them."""
+    p2p = [c for c in t.collectives if c.name in ("send", "recv") and lo <= c.ts < hi]
+    fastest: dict[tuple[str, int | None], float] = {}
+    for c in p2p:
+        key = (c.name, c.elements)
+        fastest[key] = min(fastest.get(key, c.dur), c.dur)
+    return sum(c.dur - fastest[(c.name, c.elements)] for c in p2p)
 
 
 def _empty(t: RankTrace, steps: list[Step], *, device: bool) -> RankBreakdown:

@@ -11,7 +11,8 @@ Kept from the events (the rest is dropped as it is read):
 - the collectives with their sizes: `record_param_comms` (element counts, dtype, group),
   NCCL kernels' arguments, and with `record_shapes` the c10d/gloo operators' input shapes and
   their peer (`c10d::send`'s destination, `c10d::recv_`'s source);
-- `distributedInfo`: rank, world size, backend, process groups.
+- `distributedInfo`: rank, world size, backend, process groups;
+- the pipeline instructions where autotune's recorder labelled them (`deepspeed:ForwardPass`, ...).
 
 Kernel kinds follow HTA's (`hta/utils/utils.py`), so the breakdown can be checked against it:
 communication `^nccl.*Kernel`; memory `^Memcpy|^Memset|^dma`; compute: neither, nor a name
@@ -30,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from autotune.core.errors import InputFileError
+from autotune.core.trace_labels import INSTRUCTION_PREFIX
 from autotune.traces.reader import TraceFile
 
 COMPUTE, COMMUNICATION, MEMORY, OTHER = 0, 1, 2, 3
@@ -75,6 +77,15 @@ class Collective:
 
 
 @dataclass(frozen=True, slots=True)
+class Instruction:
+    """One pipeline instruction under its `deepspeed:` range (autotune's own traces)."""
+
+    name: str
+    ts: float
+    dur: float
+
+
+@dataclass(frozen=True, slots=True)
 class Step:
     number: int
     ts: float
@@ -108,6 +119,8 @@ class RankTrace:
     """OP_COMMUNICATION for c10d, gloo, nccl and record_param_comms operators; OP_BACKWARD for
     autograd's per-function backward; OP_COMPUTE for the rest."""
     collectives: list[Collective] = field(default_factory=list)
+    instructions: list[Instruction] = field(default_factory=list)
+    """The pipeline instructions, where the trace labels them (a trial's, autotune/core/trace_labels.py)."""
     device_name: str | None = None
     device_memory_bytes: float | None = None
 
@@ -144,6 +157,7 @@ class _Columns:
         self.kinds: dict[str, int] = {}
         self.collectives: list[Collective] = []
         self.kernel_collectives: list[Collective] = []
+        self.instructions: list[Instruction] = []
 
     def add(self, ev: dict[str, Any]) -> None:
         if ev.get("ph") != "X":
@@ -181,6 +195,8 @@ class _Columns:
                 c = _collective_from_op(name, ev.get("args") or {}, ts, dur)
                 if c is not None:
                     self.collectives.append(c)
+        elif cat == "user_annotation" and isinstance(name, str) and name.startswith(INSTRUCTION_PREFIX):
+            self.instructions.append(Instruction(name[len(INSTRUCTION_PREFIX):], ts, dur))
         elif cat == "user_annotation" and isinstance(name, str) and name.startswith("ProfilerStep"):
             m = _STEP.match(name)
             if m:
@@ -211,6 +227,7 @@ class _Columns:
             cpu_tid=np.frombuffer(self.cpu_tid, dtype=np.int64), cpu_kind=np.frombuffer(self.cpu_kind, dtype=np.int8),
             # record_param_comms sits on the host for every backend; the kernels' copy only where it lacks
             collectives=sorted(self.collectives or self.kernel_collectives, key=lambda c: c.ts),
+            instructions=sorted(self.instructions, key=lambda i: i.ts),
             device_name=dev0.get("name"), device_memory_bytes=_float(dev0.get("totalGlobalMem")))
 
 
