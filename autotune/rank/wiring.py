@@ -80,13 +80,18 @@ def wire(engine: Any, plan: RankPlan, *, seq_length: int | None = None, budget: 
     budget (a watched job runs as long as it runs)."""
     from autotune.rank.instrument import instrument
 
+    labels = None
+    if plan.trace_steps:  # before the probe: it times the labelled instructions (trace_recorder.py)
+        from autotune.rank.trace_recorder import label_instructions
+
+        labels = label_instructions(engine)
     probe = instrument(engine, csv_path=plan.metrics_csv, metrics_port=plan.metrics_port,
                        metrics_addr=plan.metrics_addr, trial=plan.trial, job=plan.job,
                        warmup_steps=plan.unmeasured_steps, seq_length=seq_length)
     if plan.trace_steps:  # outside the probe's timing: writing the trace counts in no step
         from autotune.rank.trace_recorder import record_trace
 
-        record_trace(engine, plan, process_rank())
+        record_trace(engine, plan, process_rank(), labels)
     if plan.layer_costs:  # a sink of the probe: written beside the metrics CSV when it closes
         from autotune.rank.layer_costs import attach
 
