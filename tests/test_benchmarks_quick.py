@@ -92,12 +92,21 @@ def test_instrumentation_overhead():
     env = {"OMP_NUM_THREADS": "1"} if CUDA else {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     try:
         out = run([sys.executable, "-m", "deepspeed.launcher.runner", *ranks, "--no_local_rank",
-                   "--master_port", str(port), "benchmarks/instrumentation_overhead.py", "--quick", *size],
+                   "--master_port", str(port), "benchmarks/instrumentation_overhead.py", "--quick", "--trace",
+                   *size],
                   timeout=600, env=env)
     finally:
         remove_shm_buffers(port)  # DeepSpeed's CPU comm op never removes its buffers
     figure(out, r"median step: instrumented ([\d.]+) ms", 1e-3, 1e5)
     figure(out, r"ratio ([\d.]+) \(goal <= 1\.02\)", 0.2, 5.0)
+    figure(out, r"traced / instrumented ([\d.]+)x", 0.2, 50.0)
+    figure(out, r"trace ([\d.]+) MB per step", 0.001, 1e4)
+
+
+def test_bench_traces():
+    out = run([sys.executable, "benchmarks/bench_traces.py", "--quick"], timeout=600)
+    figure(out, r"speed-up over HTA's load: ([\d.]+)x", 0.05, 1000)
+    figure(out, r"autotune peak RSS / trace size: ([\d.]+)", 0.001, 100)
 
 
 def test_tuner_benchmark():
