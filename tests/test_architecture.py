@@ -7,6 +7,8 @@ run's loop, `cli` the commands.
 - no import cycle among the modules of `autotune` and `exporters`, lazy imports included;
 - rank-side code imports only the data model (and the rank side, and exporters' rank endpoints);
 - the data model imports nothing else of autotune; nothing imports the command line;
+- the trace reader (`autotune.traces`) imports only the data model: the advice, the report
+  and (one day) a rank can read a trace without the tuner or a trial;
 - the advisor knows nothing of the tuner: no `autotune.advisor` module imports the tuning run;
 - the performance model reads studies and runs nothing: `autotune.model` imports neither the
   tuning run, nor a trial's launch, nor a user's command;
@@ -177,6 +179,11 @@ def _outside(prefix: str, allowed: tuple[str, ...]) -> dict[str, list[str]]:
 
 def test_rank_side_code_imports_only_the_data_model():
     assert _outside("autotune.rank", RANK_MAY_IMPORT) == {}
+
+
+def test_the_trace_reader_imports_only_the_data_model():
+    assert any(m.startswith("autotune.traces") for m in MODULES)
+    assert _outside("autotune.traces", ("autotune.core", "autotune.traces")) == {}
 
 
 def test_the_data_model_imports_nothing_else_of_autotune():

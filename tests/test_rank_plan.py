@@ -27,7 +27,7 @@ def a_plan(trial_dir: str) -> RankPlan:
     return RankPlan(trial_dir=trial_dir, trial=7, warmup_steps=3, steps=9, adaptive_steps=True,
                     step_precision=0.05, max_steps=20, incumbent_samples_per_second=123.5, noise=0.2,
                     metrics_port=9400, metrics_addr="0.0.0.0", job="j", layer_costs=True, parts=[0, 3, 6],
-                    limits=StallLimits(startup_seconds=30.0, step_seconds=4.0).to_dict())
+                    trace_steps=2, limits=StallLimits(startup_seconds=30.0, step_seconds=4.0).to_dict())
 
 
 def test_the_plan_round_trips_through_its_file_and_env_forms(tmp_path):
@@ -36,7 +36,9 @@ def test_the_plan_round_trips_through_its_file_and_env_forms(tmp_path):
     assert RankPlan.from_json(plan.to_json()) == plan
     assert RankPlan.read(plan.write(tmp_path / "plan.json")) == plan
     assert plan.metrics_csv == os.path.join(str(tmp_path), "metrics-rank{rank}.csv")
-    assert (plan.step_cap, plan.total_steps) == (20, 12)
+    # warm-up 3, then the profiler's warm-up, 2 traced steps and the settling step, then 9 measured
+    assert (plan.step_cap, plan.unmeasured_steps, plan.total_steps) == (20, 7, 16)
+    assert RankPlan(trial_dir="", warmup_steps=3, steps=9).total_steps == 12  # no trace: no extra step
     assert RankPlan(trial_dir="", steps=9, max_steps=0).step_cap == 9  # 0: the measured steps
 
 
@@ -48,12 +50,13 @@ def test_the_built_in_description_is_the_plan_plus_the_workload(tmp_path):
     runner = BuiltinRunner(wl, DsConfig.from_dict({"train_micro_batch_size_per_gpu": 1}))
     request = TrialRequest(number=4, config=TrialConfig(micro_batch_size=1, gradient_accumulation_steps=1),
                            trial_dir=tmp_path, timeout=60.0, incumbent=Incumbent(80.0, 0.15),
-                           stall=StallLimits(startup_seconds=60.0))
+                           stall=StallLimits(startup_seconds=60.0), trace_steps=2)
     spec = runner.describe(request, tmp_path)
     assert spec.plan == RankPlan(trial_dir=str(tmp_path), trial=4, warmup_steps=1, steps=5, adaptive_steps=True,
                                  step_precision=0.04, max_steps=12, incumbent_samples_per_second=80.0,
                                  noise=0.15, metrics_port=9500, job="study", layer_costs=True,
-                                 parts=[0, 2, 5, 8], limits=StallLimits(startup_seconds=60.0).to_dict())
+                                 parts=[0, 2, 5, 8], limits=StallLimits(startup_seconds=60.0).to_dict(),
+                                 trace_steps=2)
     path = spec.write(tmp_path / SPEC_NAME)
     on_disk = json.loads(path.read_text())
     assert on_disk["plan"] == spec.plan.to_dict()
@@ -70,7 +73,7 @@ def test_the_bootstrap_settings_are_the_plan_plus_the_mode(tmp_path):
     assert BootstrapSettings.from_env(settings.to_env()) == settings
     assert BootstrapSettings.read(settings.write(tmp_path / "bootstrap-settings.json")) == settings
     assert json.loads(settings.to_env())["plan"] == settings.plan.to_dict()
-    assert settings.total_steps == settings.plan.total_steps == 12
+    assert settings.total_steps == settings.plan.total_steps == 16
 
 
 def test_the_watchdog_follows_the_plans_limits(tmp_path):

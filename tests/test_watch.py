@@ -3,6 +3,7 @@ and a real Prometheus that finds them through the watch's file_sd targets file."
 
 from __future__ import annotations
 
+import csv
 import os
 import shutil
 import signal
@@ -15,6 +16,7 @@ from click.testing import CliRunner
 from prom_helpers import prometheus_server
 from robust_helpers import alive_under
 
+from autotune.traces.rank_trace import read_rank_trace
 from autotune.trials.launcher import free_port, shm_buffers
 from exporters.file_sd import read_targets
 
@@ -44,7 +46,8 @@ def test_a_real_prometheus_scrapes_every_rank_through_file_sd_and_ctrl_c_stops_t
     targets = tmp_path / "w" / "prometheus_targets.json"
     targets.parent.mkdir()
     targets.write_text("[]\n")  # Prometheus starts before the watch: the file exists from the start
-    proc = _watch(tmp_path, "--out", "w", "--job", JOB, "--interval", "1", "--",
+    traces = tmp_path / "w" / "run-001" / "traces"
+    proc = _watch(tmp_path, "--out", "w", "--job", JOB, "--interval", "1", "--trace-steps", "2", "--",
                   "deepspeed", "--num_gpus", "2", "--master_port", str(port), str(script),
                   "--deepspeed_config", str(config), "--steps", "100000", "--save-dir", "ckpt", log=log)
     try:
@@ -53,9 +56,11 @@ def test_a_real_prometheus_scrapes_every_rank_through_file_sd_and_ctrl_c_stops_t
                 assert proc.poll() is None, log.read_text()[-3000:]
                 ranks = prom.query(f'autotune_steps_total{{job="{JOB}"}}')
                 evaluated = prom.query(f'autotune_watch_evaluations_total{{job="{JOB}"}} > 0')
-                return len(ranks) == 2 and bool(evaluated)
+                traced = len(list(traces.glob("rank*.pt.trace.json.gz"))) == 2
+                return len(ranks) == 2 and bool(evaluated) and traced
 
-            prom.wait_until(ranks_and_findings_scraped, timeout=600, what="both ranks and the findings scraped")
+            prom.wait_until(ranks_and_findings_scraped, timeout=600,
+                            what="both ranks and the findings scraped, both ranks traced")
             series = {(s["metric"]["rank"], s["metric"]["stage"], s["metric"]["trial"])
                       for s in prom.query(f'autotune_steps_total{{job="{JOB}"}}')}
             assert series == {("0", "0", "-1"), ("1", "1", "-1")}  # per rank, its stage, outside a study
@@ -77,6 +82,12 @@ def test_a_real_prometheus_scrapes_every_rank_through_file_sd_and_ctrl_c_stops_t
     run = tmp_path / "w" / "run-001"
     assert len((run / "metrics-rank1.csv").read_text().splitlines()) > 2
     assert not (tmp_path / "ckpt").exists()  # stopped, not run to its end
+    # --trace-steps 2: both ranks traced after the 2 warm-up steps; the traced steps, the
+    # profiler's warm-up and the settling step are left out of the summaries like the warm-up
+    with open(run / "metrics-rank0.csv", newline="") as fh:
+        warm = [r["warmup"] for r in csv.DictReader(fh)]
+    assert warm[:7] == ["1"] * 6 + ["0"]
+    assert all(len(read_rank_trace(f).steps) == 2 for f in traces.glob("rank*.pt.trace.json.gz"))
 
 
 @pytest.mark.slow
