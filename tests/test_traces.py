@@ -106,6 +106,10 @@ def test_a_folder_is_one_jobs_ranks_and_a_single_file_is_its_own_job(tmp_path):
     assert len(s.sources) == 2
     assert {r.rank for r in s.per_rank["comm_compute_ratio"]} == {0, 1}
     assert any("2 of 128 ranks" in n for n in loaded.notes)
+    b = breakdown(read_rank_trace(FIXTURES / "sampled_rank-1.json.gz"))  # the breakdown is said, per rank
+    said = (f"rank 1 {b.compute_share * 100:.1f} / {b.communication_share * 100:.1f} / {b.memory_share * 100:.1f} / "
+            f"{b.idle_share * 100:.1f}, overlap {b.overlap * 100:.1f} %")
+    assert any(said in n for n in loaded.notes), loaded.notes
     assert s.get("memory_peak_bytes") is None and "not in this input" in s.why_missing("memory_peak_bytes")
     assert s.get("peer_wait_fraction") is None
 

@@ -84,7 +84,7 @@ def trace_signals(traces: Sequence[RankTrace], *, name: str, micro: int | None =
     parts = [breakdown(t) for t in traces]
     layout = pipeline_layout(traces)
     stage = layout.stage_of if layout else {}
-    notes = [HOST_ONLY_NOTE if not any(b.device for b in parts) else DEVICE_NOTE]
+    notes = [HOST_ONLY_NOTE if not any(b.device for b in parts) else DEVICE_NOTE, f"{name}: {_breakdown_text(parts)}"]
     utils = [b.utilization for b in parts]
     ratios = [(b, r) for b in parts if (r := b.comm_compute_ratio) is not None]
     values: dict[str, float | None] = {
@@ -169,6 +169,32 @@ def _pipeline_values(parts: list[RankBreakdown], layout: PipelineLayout, gas: in
                 f"bottleneck stage {worst} (ranks {','.join(map(str, ranks))}): {comp[worst]:.3g} s compute per "
                 f"step, {max(comp) / mean:.2f}x the mean stage ({mean:.3g} s); per-stage compute s: "
                 + ", ".join(f"{c:.3g}" for c in comp))
+
+
+SHOWN_RANKS = 8
+"""Ranks whose temporal breakdown the note spells out; the rest are counted."""
+
+
+def _breakdown_text(parts: list[RankBreakdown]) -> str:
+    """Each rank's share of the window by kind (HTA's temporal breakdown), its overlap, and the
+    slowest rank."""
+    device = any(b.device for b in parts)
+    head = ("temporal breakdown per rank (compute / communication / memory / idle % of the window, "
+            "communication overlapped by compute)" if device else
+            "temporal breakdown per rank (compute / communication / idle % of the steps, host operators)")
+    rows = []
+    for b in sorted(parts, key=lambda b: (b.rank is None, b.rank or 0))[:SHOWN_RANKS]:
+        shares = [b.compute_share, b.communication_share] + ([b.memory_share or 0.0] if device else []) + [b.idle_share]
+        text = f"{b.label} " + " / ".join(f"{x * 100:.1f}" for x in shares)
+        if b.overlap is not None and device:
+            text += f", overlap {b.overlap * 100:.1f} %"
+        rows.append(text)
+    more = f"; and {len(parts) - SHOWN_RANKS} more" if len(parts) > SHOWN_RANKS else ""
+    timed = [b for b in parts if b.step_seconds]
+    slowest = max(timed, key=lambda b: statistics.median(b.step_seconds)) if timed else None
+    tail = (f"; slowest {slowest.label}: {statistics.median(slowest.step_seconds):.3g} s per step"
+            if slowest is not None and len(timed) > 1 else "")
+    return f"{head}: " + "; ".join(rows) + more + tail
 
 
 def _jitter(parts: list[RankBreakdown]) -> float | None:
