@@ -53,6 +53,18 @@ def test_balanced_stages_give_1f1b_ideal_bubble(stages, micro):
     assert run.bubble_fraction == pytest.approx((stages - 1) / (micro + stages - 1))
 
 
+@pytest.mark.parametrize(("stages", "micro"), [(2, 1024), (8, 256)])
+def test_a_long_schedule_replays_to_its_end(stages, micro):
+    """Many micro-batches of short instructions: the clock grows large against each duration
+    (the replay once spun in place there, its ends lost to rounding; `plan` hung on such layouts)."""
+    f, b, t = 0.01, 0.02, 0.001
+    run = replay([StageTimes(f, b)] * stages, micro, [t] * (stages - 1))
+    assert (micro + stages - 1) * (f + b) <= run.pipeline_seconds <= (micro + stages - 1) * (f + b + 4 * t)
+    assert run.stage_busy_seconds == pytest.approx([micro * (f + b)] * stages)
+    shared = replay([StageTimes(f, b)] * stages, micro, [t] * (stages - 1), cores=2.0, replicas=4)
+    assert shared.pipeline_seconds > run.pipeline_seconds
+
+
 def test_a_slow_stage_makes_the_others_wait_and_transfers_add_up():
     even = replay([StageTimes(1, 2), StageTimes(1, 2)], 8, [0.0])
     slow = replay([StageTimes(1, 2), StageTimes(2, 4)], 8, [0.0])

@@ -146,6 +146,11 @@ def replay(times: Sequence[StageTimes], micro_batches: int, transfer_seconds: Se
         if not events:
             raise RuntimeError("pipeline schedule replay deadlocked")  # a schedule TrainSchedule never produces
         now = min(events)
+        # Ends within a rounding error of `now` are at `now`: an absolute tolerance fails once the
+        # clock is large (a residual of 1e-15 s no longer moves a clock of 30 s, and the replay
+        # spun in place: a long step of many micro-batches never ended).
+        eps = 1e-12 * max(1.0, abs(now))
+        ended = {s for s, t in zip(computing, events, strict=False) if t <= now + eps}
         for s in computing:
             done = (now - clock) * rate
             busy[s] += now - clock
@@ -153,12 +158,11 @@ def replay(times: Sequence[StageTimes], micro_batches: int, transfer_seconds: Se
         clock = now
         for s in range(stages):
             finished = False
-            remaining = left[s]
-            if remaining is not None and remaining <= 1e-15:
+            if s in ended:
                 left[s] = None
                 finished = True
             tu = transfer_until[s]
-            if tu is not None and tu <= clock + 1e-15:
+            if tu is not None and tu <= clock + eps:
                 transfer_until[s] = None
                 finished = True
             if finished:
