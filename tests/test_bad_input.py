@@ -89,6 +89,8 @@ def folder_hash(root: Path) -> str:
     (["--step-precision", "nan"], "--step-precision must be a finite number"),
     (["--max-steps", "0"], "--max-steps must be >= 1"),
     (["--steps", "6", "--max-steps", "3"], "--max-steps 3 is below --steps 6"),
+    (["--trace-every-trial"], "--trace-every-trial needs --trace-steps N"),
+    (["--trace-steps", "-1"], "--trace-steps must be >= 0"),
 ])
 def test_run_arguments_out_of_range(tmp_path, args, needle):
     study = tmp_path / "st"

@@ -62,3 +62,10 @@ def test_a_resumed_study_does_not_trace_again_what_it_traced(tmp_path):
     fresh = TraceStep(2, tmp_path)  # a study whose best was never re-run: its re-run is traced
     fresh.replay([row(0, A, "baseline", 100.0), row(1, B, "bayes", 150.0)], [], None)
     assert _run(fresh, tmp_path, 5, B, "confirm", 150.0) == 2
+
+
+def test_every_trial_is_traced_when_asked(tmp_path):
+    step = TraceStep(2, tmp_path, every=True)
+    asked = [_run(step, tmp_path, 0, A, "baseline", 100.0), _run(step, tmp_path, 1, B, "bayes", 150.0),
+             _run(step, tmp_path, 2, C, "bayes", None)]
+    assert asked == [2, 2, 2]

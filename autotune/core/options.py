@@ -158,6 +158,8 @@ class RunOptions:
                               "the baseline and at the best's re-measurement, into traces/ of the trial "
                               "folder; read by `autotune advise` (docs/traces.md). 0: off.",
                               lo=0, hi=1000, unit="steps", group="study")
+    trace_every_trial: bool = option(False, "With --trace-steps: trace every trial, not only the baseline and "
+                                     "the best's re-measurement.", group="study")
     tuner: str = option("hybrid", "hybrid, bayes, random, grid, ds-autotuner, model (the performance model: "
                         "docs/model.md; optuna-gp, optuna-tpe "
                         "with optuna installed).", group="study")

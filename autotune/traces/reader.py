@@ -55,7 +55,11 @@ class TraceFile:
         self._pos = 0
         self._eof = False
         self._open()
-        self._read_to_events()
+        try:
+            self._read_to_events()
+        except BaseException:
+            self.close()
+            raise
 
     # -- reading ------------------------------------------------------------------------------
     def _error(self, what: str) -> InputFileError:
@@ -163,13 +167,10 @@ class TraceFile:
             if self._buf[pos] == "]":
                 self._pos = pos + 1
                 break
-            try:
+            try:  # an event is an object: once it decodes, it is whole
                 event, end = scan(self._buf, pos)
             except (StopIteration, ValueError):
-                event = self._value()  # the slow path reads more, or says what is wrong
-                end = self._pos
-            if end >= len(self._buf) and not self._eof:
-                event = self._value()
+                event = self._value()  # cut at the block's end: the slow path reads more, or says what is wrong
                 end = self._pos
             self._pos = end
             if isinstance(event, dict):

@@ -125,7 +125,7 @@ def tune(opts: RunOptions, display: ProgressDisplay | None = None, *,
         if opts.trace_steps:
             from autotune.tuning.trace_step import TraceStep
 
-            steps = [*steps, TraceStep(opts.trace_steps, study.root)]
+            steps = [*steps, TraceStep(opts.trace_steps, study.root, every=opts.trace_every_trial)]
         callbacks: list[TunerCallback] = [ProgressCallback(display, study)]
         if exporter is not None:
             callbacks.append(LiveMetricsCallback(exporter))

@@ -5,7 +5,7 @@ study records two, not one per trial: the baseline (the job as the user set it u
 first re-measurement of the configuration that is the best at that moment (a proposer's
 confirm, a partition round's re-run of the best): the best as the study found it, with no
 trial added for it. A study whose best is never run again has the baseline's trace only, and
-`autotune report` says so. The traced steps are unmeasured (autotune/rank/trace_recorder.py),
+`autotune report` says so; `--trace-every-trial` traces them all. The traced steps are unmeasured (autotune/rank/trace_recorder.py),
 so a traced trial's figures stand beside the others'.
 """
 
@@ -23,9 +23,10 @@ from autotune.tuning.steps import TrialEnd
 
 
 class TraceStep:
-    def __init__(self, steps: int, root: Path) -> None:
+    def __init__(self, steps: int, root: Path, *, every: bool = False) -> None:
         self.steps = steps
         self.root = root
+        self.every = every
         self.baseline_traced = False
         self.best_traced = False
         self.best_key: tuple | None = None
@@ -49,7 +50,9 @@ class TraceStep:
         return None
 
     def prepare(self, request: TrialRequest, kind: TrialKind) -> None:
-        if kind.is_baseline and not self.baseline_traced:
+        if self.every:
+            request.trace_steps = self.steps
+        elif kind.is_baseline and not self.baseline_traced:
             request.trace_steps = self.steps
         elif (not kind.is_baseline and not self.best_traced and self.best_key is not None
               and request.config.key() == self.best_key):

@@ -28,6 +28,8 @@ def validate(opts: RunOptions, *, built_in: bool = True) -> None:
     get_preset(wl.preset)
     if wl.world_size > 1024:
         raise UserError(f"--stages x --dp = {wl.world_size} ranks; at most 1024 on one machine")
+    if opts.trace_every_trial and not opts.trace_steps:
+        raise UserError("--trace-every-trial needs --trace-steps N (the steps each trial traces)")
     if opts.rank_metrics_port is not None and opts.rank_metrics_port + wl.world_size - 1 > 65535:
         raise UserError(f"--rank-metrics-port {opts.rank_metrics_port} + {wl.world_size} ranks passes port 65535")
     for addr in {opts.metrics_addr, wl.metrics_addr}:

@@ -104,7 +104,7 @@ def prepare(argv: list[str], opts: WatchOptions, *, cwd: Path) -> PreparedWatch:
     check_launcher_installed(cmd)
     resolve_cluster(cmd.cluster_options(), None)  # the command's hostfile, launcher and hosts (pdsh/ssh)
     if opts.interval <= 0 or opts.window < 0 or opts.warmup_steps < 0 or opts.trace_steps < 0:
-        raise UserError("--interval must be > 0, --window and --warmup-steps >= 0")
+        raise UserError("--interval must be > 0, --window, --warmup-steps and --trace-steps >= 0")
     return PreparedWatch(command=cmd, config=config, cwd=cwd)
 
 
