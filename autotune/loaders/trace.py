@@ -111,6 +111,8 @@ def trace_signals(traces: Sequence[RankTrace], *, name: str, micro: int | None =
     if micro and gas and dp:
         slowest = max(statistics.median(b.step_seconds) for b in parts if b.step_seconds)
         values["samples_per_second"] = micro * gas * dp / slowest if slowest > 0 else None
+        notes.append(f"{name}: samples/s is the traced steps' own, under the profiler (a trial's measured "
+                     "steps, in its metrics CSV, ran without it)")
     if layout is not None and stages and stages > 1:
         _pipeline_values(parts, layout, gas, values, per_rank, details)
     elif layout is None and world and world > 1:
