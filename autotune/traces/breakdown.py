@@ -208,14 +208,10 @@ def _with_instructions(b: RankBreakdown, t: RankTrace) -> RankBreakdown:
 
     steps = b.steps
     ins = [i for i in t.instructions if steps[0].ts <= i.ts < steps[-1].end]
-    fastest: dict[str, float] = {}
-    for i in ins:
-        if i.name in P2P_INSTRUCTIONS:
-            fastest[i.name] = min(fastest.get(i.name, i.dur), i.dur)
     n = len(steps)
     compute = sum(i.dur for i in ins if i.name in COMPUTE_INSTRUCTIONS)
     comm = sum(i.dur for i in ins if i.name in P2P_INSTRUCTIONS or i.name in REDUCE_INSTRUCTIONS)
-    wait = sum(i.dur - fastest[i.name] for i in ins if i.name in P2P_INSTRUCTIONS)
+    wait = _beyond_fastest([(i.name, i.dur) for i in ins if i.name in P2P_INSTRUCTIONS])
     bubbles, forwards = [], []
     for s in steps:
         mine = [i for i in ins if s.ts <= i.ts < s.end]
@@ -232,14 +228,19 @@ def _with_instructions(b: RankBreakdown, t: RankTrace) -> RankBreakdown:
 
 
 def _p2p_waits(t: RankTrace, lo: float, hi: float) -> float:
-    """The sends' and receives' waits for their peer: per kind (direction and size: one tensor
-    shape over one link), the fastest instance is the transfer, as the probe splits them."""
-    p2p = [c for c in t.collectives if c.name in ("send", "recv") and lo <= c.ts < hi]
-    fastest: dict[tuple[str, int | None], float] = {}
-    for c in p2p:
-        key = (c.name, c.elements)
-        fastest[key] = min(fastest.get(key, c.dur), c.dur)
-    return sum(c.dur - fastest[(c.name, c.elements)] for c in p2p)
+    """The sends' and receives' waits for their peer, a kind being a direction and a size (one
+    tensor shape over one link)."""
+    return _beyond_fastest([((c.name, c.elements), c.dur) for c in t.collectives
+                            if c.name in ("send", "recv") and lo <= c.ts < hi])
+
+
+def _beyond_fastest(timed: list[tuple[object, float]]) -> float:
+    """Per kind, the fastest instance is the transfer and each one's time beyond it its wait
+    (the probe's rule, autotune/rank/p2p_split.py): the waits' sum."""
+    fastest: dict[object, float] = {}
+    for kind, dur in timed:
+        fastest[kind] = min(fastest.get(kind, dur), dur)
+    return sum(dur - fastest[kind] for kind, dur in timed)
 
 
 def _empty(t: RankTrace, steps: list[Step], *, device: bool) -> RankBreakdown:
