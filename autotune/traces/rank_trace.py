@@ -8,7 +8,7 @@ Kept from the events (the rest is dropped as it is read):
   event is counted in the step that launched it (HTA does the same);
 - the host operators (`cpu_op`): start, duration, thread, and whether they communicate
   (`c10d::*`, `gloo:*`, `nccl:*`): the whole story of a CPU-only trace;
-- the collectives with their sizes: `record_param_comms` (element counts, dtype, group),
+- the collectives with their sizes: `record_param_comms` (collective name, element counts),
   NCCL kernels' arguments, and with `record_shapes` the c10d/gloo operators' input shapes and
   their peer (`c10d::send`'s destination, `c10d::recv_`'s source);
 - `distributedInfo`: rank, world size, backend, process groups;
@@ -46,10 +46,6 @@ OP_COMPUTE, OP_COMMUNICATION, OP_BACKWARD = 0, 1, 2
 """Host operator kinds: a backward operator is compute too (it marks where backward ends)."""
 DEVICE_CATS = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
 LAUNCH_CATS = frozenset({"cuda_runtime", "cuda_driver"})
-DTYPE_BYTES = {"float": 4, "Float": 4, "float32": 4, "Half": 2, "half": 2, "BFloat16": 2, "c10::BFloat16": 2,
-               "c10::Half": 2, "Double": 8, "double": 8, "Long": 8, "long int": 8, "Int": 4, "int": 4,
-               "Byte": 1, "unsigned char": 1, "Char": 1, "signed char": 1, "Bool": 1, "bool": 1}
-
 
 def kernel_kind(name: str) -> int:
     if _COMM_KERNEL.match(name):
@@ -70,8 +66,6 @@ class Collective:
     ts: float
     dur: float
     elements: int | None
-    bytes: int | None
-    group_size: int | None = None
     peer: int | None = None
     """send: the destination, recv: the source (global ranks), where the trace says."""
 
@@ -121,8 +115,6 @@ class RankTrace:
     collectives: list[Collective] = field(default_factory=list)
     instructions: list[Instruction] = field(default_factory=list)
     """The pipeline instructions, where the trace labels them (a trial's, autotune/core/trace_labels.py)."""
-    device_name: str | None = None
-    device_memory_bytes: float | None = None
 
     @property
     def has_device(self) -> bool:
@@ -206,12 +198,10 @@ class _Columns:
 
     def finish(self, tf: TraceFile) -> RankTrace:
         info = tf.meta.get("distributedInfo") or {}
-        devices = tf.meta.get("deviceProperties") or []
         if not isinstance(info, dict):
             info = {}
         rank = info.get("rank")
         steps = sorted({s.number: s for s in self.steps}.values(), key=lambda s: s.ts)
-        dev0 = devices[0] if devices and isinstance(devices[0], dict) else {}
         return RankTrace(
             path=tf.path, rank=int(rank) if isinstance(rank, int) else None,
             world_size=int(info["world_size"]) if isinstance(info.get("world_size"), int) else None,
@@ -227,8 +217,7 @@ class _Columns:
             cpu_tid=np.frombuffer(self.cpu_tid, dtype=np.int64), cpu_kind=np.frombuffer(self.cpu_kind, dtype=np.int8),
             # record_param_comms sits on the host for every backend; the kernels' copy only where it lacks
             collectives=sorted(self.collectives or self.kernel_collectives, key=lambda c: c.ts),
-            instructions=sorted(self.instructions, key=lambda i: i.ts),
-            device_name=dev0.get("name"), device_memory_bytes=_float(dev0.get("totalGlobalMem")))
+            instructions=sorted(self.instructions, key=lambda i: i.ts))
 
 
 def _int(v: Any) -> int:
@@ -238,22 +227,10 @@ def _int(v: Any) -> int:
         return -1
 
 
-def _float(v: Any) -> float | None:
-    try:
-        f = float(v)
-    except (TypeError, ValueError):
-        return None
-    return f if math.isfinite(f) and f > 0 else None
-
-
 def _collective_from_args(args: dict[str, Any], ts: float, dur: float) -> Collective:
     n = args.get("In msg nelems")
     elements = int(n) if isinstance(n, int | float) else None
-    width = DTYPE_BYTES.get(str(args.get("dtype", "")))
-    size = args.get("Group size")
-    return Collective(name=str(args.get("Collective name", "")), ts=ts, dur=dur, elements=elements,
-                      bytes=elements * width if elements is not None and width else None,
-                      group_size=int(size) if isinstance(size, int) else None)
+    return Collective(name=str(args.get("Collective name", "")), ts=ts, dur=dur, elements=elements)
 
 
 _C10D_NAMES = {"allreduce_": "allreduce", "send": "send", "recv_": "recv", "broadcast_": "broadcast",
@@ -273,7 +250,6 @@ def _collective_from_op(name: str, args: dict[str, Any], ts: float, dur: float) 
     if op is None:
         return None
     elements = _elements(args.get("Input Dims"))
-    width = DTYPE_BYTES.get(str((args.get("Input type") or [""])[0]))
     peer = None
     if op in ("send", "recv"):
         concrete = args.get("Concrete Inputs") or []
@@ -282,8 +258,7 @@ def _collective_from_op(name: str, args: dict[str, Any], ts: float, dur: float) 
                 peer = int(concrete[2])
             except (TypeError, ValueError):
                 peer = None
-    return Collective(name=op, ts=ts, dur=dur, elements=elements,
-                      bytes=elements * width if elements is not None and width else None, peer=peer)
+    return Collective(name=op, ts=ts, dur=dur, elements=elements, peer=peer)
 
 
 def _elements(dims: Any) -> int | None:
