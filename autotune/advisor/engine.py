@@ -153,9 +153,13 @@ def _impact(rule: Rule, ev: Evidence, changes: list[Change], s: SignalSet) -> fl
         value = 1.0 - 1.0 / measured if measured > 0 else 0.0
     elif rule.impact_kind == "excess_beyond_imbalance":
         # The idle share the stage imbalance already explains is the imbalance finding's to
-        # fix: a symptom does not outrank its cause (issue 24).
+        # fix: a symptom does not outrank its cause (issue 24). Nor is the idle that is not a
+        # wait for a peer (transfers, data loading, untimed host work: other findings' own):
+        # on a CPU that share alone outweighed a 1.28x imbalance on one CI run.
         explained = s.get("imbalance_idle_fraction") or 0.0
-        value = (abs(measured - ev.threshold) - explained) * rule.impact_value
+        bubble, waiting = s.get("bubble_fraction_measured"), s.get("peer_wait_fraction_mean")
+        not_waiting = max(0.0, bubble - waiting) if bubble is not None and waiting is not None else 0.0
+        value = (abs(measured - ev.threshold) - explained - not_waiting) * rule.impact_value
     elif rule.impact_kind == "bubble":
         p = s.get("pipeline_stages")
         gas = next((c for c in changes if c.target == "gradient_accumulation_steps"), None)

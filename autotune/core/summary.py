@@ -194,6 +194,10 @@ class TrialSummary:
     peer_wait_fraction: float | None = None
     """Worst rank's share of the step spent waiting for a peer stage (`peer_wait_fraction`): the
     cause is the other stage (imbalance, the bubble), not the link."""
+    peer_wait_fraction_mean: float | None = None
+    """The ranks' mean share of the step spent waiting for a peer stage: the part of the measured
+    bubble (which also holds transfers, data loading and untimed host work) that is stages
+    waiting on each other."""
     metrics_schema: int | None = None
     """The oldest SCHEMA_VERSION among the rows (1: comm held the sends' waits); None: not read from rows."""
     startup_seconds: float | None = None
@@ -388,6 +392,7 @@ def _summarize_trial(c: Columns, source: str) -> TrialSummary | None:
         comm_compute_ratio_mean=float(np.mean(ratios)) if ratios else None,
         transfer_compute_ratio=max(ratios) if ratios else None,  # the same since schema 2
         peer_wait_fraction=max(r.wait_fraction for r in rank_rows) if rank_rows else None,
+        peer_wait_fraction_mean=float(np.mean([r.wait_fraction for r in rank_rows])) if rank_rows else None,
         imbalance_idle_fraction=float(np.mean([max(stage_means) - c for c in stage_means]) / median_step)
         if median_step > 0 else None,
         metrics_schema=_schema(m),

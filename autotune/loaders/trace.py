@@ -47,6 +47,7 @@ NOT_IN_TRACE = {
     "memory_peak_bytes": "not in this input: a trace holds no memory profile",
     "memory_used_ratio": "not in this input: a trace holds no memory profile",
     "peer_wait_fraction": "not in this input: a trace cannot tell a transfer from a wait for the peer",
+    "peer_wait_fraction_mean": "not in this input: a trace cannot tell a transfer from a wait for the peer",
     "imbalance_idle_fraction": "not in this input: a trace cannot tell a transfer from a wait for the peer",
     "transfer_compute_ratio": "not in this input: a trace cannot tell a transfer from a wait for the peer",
     "host_bound_fraction": "not in this input (needs NVML utilization beside the kernel time)",
