@@ -93,6 +93,15 @@ class WorkloadOptions:
     workers: str = option("warm", "Trial processes: warm (the ranks stay alive between trials, a fresh "
                           "engine per trial; docs/warm-workers.md) or fresh (a new launch per trial).",
                           group="workload")
+    engine: str = option("deepspeed", "Pipeline engine of the built-in workload: deepspeed (DeepSpeed's "
+                         "PipelineEngine) or torch (torch.distributed.pipelining, launched by torchrun; "
+                         "docs/torch-pipelining.md).", group="workload")
+    schedule: str = option("1F1B", "With --engine torch: the baseline's schedule (GPipe, 1F1B, Interleaved1F1B, "
+                           "LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV); the study then "
+                           "measures each other one the layout fits.", group="workload")
+    virtual_stages: int = option(2, "With --engine torch: stages per rank of the looped schedules "
+                                 "(Interleaved1F1B, LoopedBFS, InterleavedZeroBubble).", lo=1, hi=64,
+                                 group="workload")
     faults: str = option("", "Test hook: inject faults, KIND[@TRIAL],... (autotune/core/faults.py).",
                          flag="--fault", hidden=True, group="workload", show_default=False)
     # DeepSpeed's launcher options, spelled as `deepspeed` spells them (autotune/trials/multinode.py,

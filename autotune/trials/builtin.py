@@ -18,7 +18,14 @@ from autotune.core.step_budget import RECORD_NAME as STEP_RECORD
 from autotune.rank.workload.trial_spec import SPEC_NAME, TrialSpec, describe_workload
 from autotune.trials.contract import TrialRequest
 from autotune.trials.judge import TrialOutcome, failed, judge
-from autotune.trials.launcher import LaunchSpec, TrialProcess, free_port, run_launch
+from autotune.trials.launcher import (
+    TORCH_TRAIN_SCRIPT,
+    TORCHRUN,
+    LaunchSpec,
+    TrialProcess,
+    free_port,
+    run_launch,
+)
 from autotune.trials.multinode import Cluster, cluster_args, node_env, rendezvous_env, stop_on_nodes
 from autotune.trials.warm_pool import WarmWorkers, fresh_reason
 
@@ -60,6 +67,8 @@ class BuiltinRunner:
             from autotune.rank.pipeline_parts import method_for
 
             changes["partition_method"] = method_for(request.parts)
+        if "schedule" in request.knob_values:  # the schedule sweep (--engine torch, autotune/tuning/builtin_job.py)
+            changes["schedule"] = request.knob_values["schedule"]
         return dataclasses.replace(self.workload, **changes) if changes else self.workload
 
     def describe(self, request: TrialRequest, trial_dir: Path) -> TrialSpec:
@@ -92,6 +101,8 @@ class BuiltinRunner:
                           log_path=trial_dir / "launcher.log", timeout=request.timeout)
         if self.launcher is not None:
             spec.launcher = list(self.launcher)
+        if self.workload.engine == "torch":  # torchrun starts the ranks; no DeepSpeed op to build first
+            spec.launcher, spec.script, spec.preflight = list(TORCHRUN), TORCH_TRAIN_SCRIPT, None
         spec.cluster_args = self._cluster_args
         cluster = self.cluster if self.cluster is not None and self.cluster.multi_node else None
         if cluster is not None:  # the other nodes' ranks get their environment through DeepSpeed's env file
@@ -153,6 +164,7 @@ class WarmRunner(BuiltinRunner):
         return self._run_fresh(request, trial_dir)
 
 
+TORCH_IS_FRESH = "the torch engine's trials run in fresh processes (torchrun per trial; no warm pool yet)"
 MULTI_NODE_IS_FRESH = ("DeepSpeed launcher options (--hostfile, ...) are given: every trial runs in fresh "
                        "processes")
 
@@ -162,6 +174,9 @@ def builtin_runner(workload: WorkloadOptions, base_config: DsConfig, *, launcher
     """The built-in workload's runner: warm workers where the study asks for them and the ranks run on
     this machine (a pool is launched with --num_gpus here), else fresh processes."""
     if workload.workers != "warm":
+        return BuiltinRunner(workload, base_config, launcher=launcher, cluster=cluster)
+    if workload.engine == "torch":
+        (note or print)(f"      warm workers: {TORCH_IS_FRESH}")
         return BuiltinRunner(workload, base_config, launcher=launcher, cluster=cluster)
     if cluster is not None:
         (note or print)(f"      warm workers: {MULTI_NODE_IS_FRESH}")

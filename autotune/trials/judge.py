@@ -47,8 +47,9 @@ def judge(outcome: LaunchOutcome, trial_dir: Path, timeout: float) -> TrialOutco
         return failed("timeout", f"no result within {timeout:.0f} s; every rank was stopped", wall)
     rc = outcome.returncode
     if rc != 0:
-        def exited(code: int) -> bool:
-            return rc == code or f"exits with return code = {code}" in log
+        def exited(code: int) -> bool:  # DeepSpeed's launcher, then torchrun's failure summary
+            return (rc == code or f"exits with return code = {code}" in log
+                    or re.search(rf"exitcode\s*:\s*{code}\b", log) is not None)
 
         if exited(EXIT_OOM) or OOM_PATTERN.search(log):
             return failed("oom", _last_line(log, OOM_PATTERN) or "out of memory", wall)
@@ -57,7 +58,7 @@ def judge(outcome: LaunchOutcome, trial_dir: Path, timeout: float) -> TrialOutco
                            _last_line(log, re.compile("loss scale")) or "fp16 loss scale collapsed", wall)
         if exited(EXIT_NONFINITE_LOSS):
             return failed("nonfinite_loss", _last_line(log, re.compile("non-finite")) or "loss became NaN/inf", wall)
-        killed = re.search(r"return code = -(\d+)", log)
+        killed = re.search(r"return code = -(\d+)", log) or re.search(r"exitcode\s*:\s*-(\d+)", log)
         if killed or (rc is not None and rc < 0):
             signum = int(killed.group(1)) if killed else -(rc or 0)
             return failed("killed", f"a rank was killed by signal {signum} ({_signal_name(signum)}); "

@@ -21,6 +21,9 @@ from pathlib import Path
 from autotune.trials import ext_locks
 
 TRAIN_SCRIPT = Path(__file__).resolve().parent.parent / "rank" / "workload" / "train.py"
+TORCH_TRAIN_SCRIPT = Path(__file__).resolve().parent.parent / "rank" / "torch_pp" / "train.py"
+"""The built-in workload's rank under torch.distributed.pipelining (`--engine torch`), started by torchrun."""
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -136,6 +139,9 @@ def _torch_sees_cuda() -> bool:
 
 
 def build_command(spec: LaunchSpec, master_port: int) -> list[str]:
+    if spec.launcher[-1] == TORCHRUN[-1]:  # torchrun's own spelling (one machine: --engine torch)
+        return [*spec.launcher, "--nproc-per-node", str(spec.num_ranks), "--master-addr", "127.0.0.1",
+                "--master-port", str(master_port), str(spec.script), *spec.script_args]
     place = ["--num_gpus", str(spec.num_ranks)] if spec.cluster_args is None else spec.cluster_args
     return [*spec.launcher, *place, "--no_local_rank",
             "--master_port", str(master_port), str(spec.script), *spec.script_args]

@@ -15,6 +15,12 @@ from autotune.trials.contract import Runner
 from autotune.trials.multinode import Cluster
 from autotune.tuning.starting_point import build_space, require_optimizer
 from autotune.tuning.steps import SettingStep
+from autotune.tuning.torch_engine import (
+    check_engine,
+    check_torch_config,
+    schedule_sweep,
+    torch_space,
+)
 from autotune.tuning.validation import validate
 
 
@@ -25,17 +31,23 @@ class BuiltinJob:
 
             refuse_for_built_in(opts.knobs)  # always raises: one line naming the flag to use
         validate(opts, built_in=True)
+        check_engine(opts)
 
     def check_config(self, opts: RunOptions, base: DsConfig) -> None:
         require_optimizer(base, opts.config)  # a config without one would fail every trial alike
+        if opts.workload.engine == "torch":
+            check_torch_config(base, opts.config)
 
     def space(self, opts: RunOptions, base: DsConfig) -> SearchSpace:
-        return build_space(opts, base)
+        space = build_space(opts, base)
+        return torch_space(space) if opts.workload.engine == "torch" else space
 
     def describe(self, opts: RunOptions) -> str:
         wl = opts.workload
+        engine = (f"; engine: torch.distributed.pipelining, schedule {wl.schedule}" if wl.engine == "torch"
+                  else "")
         return (f"workload: {wl.preset}, {wl.pipeline_stages} stages x {wl.data_parallel_size} dp = "
-                f"{wl.world_size} ranks")
+                f"{wl.world_size} ranks{engine}")
 
     def store(self, study: Study) -> None:
         """The study's settings hold the whole workload."""
@@ -48,6 +60,9 @@ class BuiltinJob:
               note: Callable[[str], None], noise: float, cluster: Cluster | None) -> list[SettingStep]:
         wl = opts.workload
         steps: list[SettingStep] = []
+        if wl.engine == "torch":  # the schedule sweep; the model settings below are DeepSpeed's PipelineModule's
+            steps.append(schedule_sweep(wl, root, note))
+            return steps
         # the checkpoint step where the model allows it: the built-in model, not yet checkpointing
         if (opts.checkpoint_on_oom and wl.model is None and not wl.activation_checkpoint_interval
                 and not base.activation_checkpoint_interval):

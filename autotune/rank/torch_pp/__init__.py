@@ -1,0 +1,1 @@
+"""The built-in workload under torch.distributed.pipelining (`--engine torch`, issue 28)."""
