@@ -61,6 +61,37 @@ def test_the_installed_schedules_are_torchs_own_classes():
         n for n in names if SCHEDULES[n] is not Shape.LOOPED]
 
 
+def test_the_micro_batch_counts_refused_are_the_ones_torchs_constructors_refuse():
+    """pp_schedules.refuses against the installed torch's constructors, which check the count
+    first (a ValueError), for 2 ranks' stages built on a one-rank gloo group (no step runs). The
+    interleaved schedules check their stage groups before the count, so this cannot ask them;
+    their rule is the one their docstring states (rounds of max(1, m // p) must divide m)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, schedules
+
+    from autotune.core.pp_schedules import refuses
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        for name in ("GPipe", "1F1B", "DualPipeV"):
+            per_rank = pp_schedules.stages_per_rank(name, 2)
+            ids = pp_schedules.stage_ids(name, 0, 2, 2)
+            stages = [PipelineStage(torch.nn.Linear(2, 2), s, 2 * per_rank, torch.device("cpu")) for s in ids]
+            for m in range(1, 7):
+                try:
+                    getattr(schedules, "Schedule" + name)(stages[0] if per_rank == 1 else stages, n_microbatches=m,
+                                                          loss_fn=torch.nn.MSELoss())
+                    refused = False
+                except ValueError:
+                    refused = True
+                except AssertionError:  # a later check of the one-rank group: the count was accepted
+                    refused = False
+                assert refused == (refuses(name, ranks=2, micro_batches=m, virtual_stages=2) is not None), (name, m)
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.mark.parametrize("args, expected", [
     (["--engine", "torch", "--schedule", "NoSuch"], "not a torch.distributed.pipelining schedule"),
     (["--engine", "torch", "--virtual-stages", "3", "--schedule", "Interleaved1F1B"],
@@ -84,7 +115,8 @@ def test_what_the_torch_engine_cannot_build_is_refused_before_any_trial(tmp_path
 @pytest.mark.parametrize("section, expected", [
     ({"optimizer": {"type": "Lamb", "params": {"lr": 1e-3}}}, "optimizer 'lamb': the torch engine builds"),
     ({"bf16": {"enabled": True}}, "bf16: not available under --engine torch yet"),
-], ids=["optimizer", "bf16"])
+    ({"gradient_accumulation_steps": 1, "train_batch_size": 1}, "1F1B needs at least 2 micro-batches"),
+], ids=["optimizer", "bf16", "micro-batches"])
 def test_a_config_the_torch_engine_cannot_build_is_refused(tmp_path, section, expected):
     cfg = {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 16,
            "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}, **section}

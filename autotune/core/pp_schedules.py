@@ -114,3 +114,18 @@ def even_parts(decoder_layers: int, stages: int) -> list[int]:
     DeepSpeed's `parts` boundaries are written (autotune/core/partition.py)."""
     per = decoder_layers // stages
     return [0] + [1 + per * s for s in range(1, stages)] + [decoder_layers + 2]
+
+
+def refuses(name: str, *, ranks: int, micro_batches: int, virtual_stages: int) -> str | None:
+    """Why the installed torch's schedule `name` refuses `micro_batches` on `ranks` ranks (its
+    constructor raises ValueError; torch 2.13), or None. 1F1B needs at least one micro-batch per
+    stage, DualPipeV one per stage of its V (2p), and the interleaved schedules a count that
+    their rounds of max(1, m // p) micro-batches divide."""
+    m, p = micro_batches, ranks
+    if name == "1F1B" and m < p:
+        return f"1F1B needs at least {p} micro-batches (one per stage), not {m}"
+    if name == "DualPipeV" and m < 2 * p:
+        return f"DualPipeV needs at least {2 * p} micro-batches (one per stage of its V), not {m}"
+    if name in ("Interleaved1F1B", "InterleavedZeroBubble") and m % max(1, m // p):
+        return f"{name} runs rounds of {max(1, m // p)} micro-batches, which do not divide {m}"
+    return None

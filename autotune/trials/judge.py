@@ -33,6 +33,11 @@ class TrialOutcome:
     wall_seconds: float
 
 
+RANK_ERROR = re.compile(r"^\[rank\d+\]: \w*(Error|Exception)\b")
+"""A rank's own exception as torchrun prefixes it (`[rank1]: ValueError: ...`): the cause, where
+torchrun's failure summary after it (`ChildFailedError`, `error_file: <N/A>`) only says a rank failed."""
+
+
 def judge(outcome: LaunchOutcome, trial_dir: Path, timeout: float) -> TrialOutcome:
     """Classify a finished launch and summarize its metrics."""
     wall = outcome.wall_seconds
@@ -65,7 +70,8 @@ def judge(outcome: LaunchOutcome, trial_dir: Path, timeout: float) -> TrialOutco
                                      "the launcher stopped the others", wall)
         if MISSING_PATTERN.search(log):
             return failed("launcher_missing", _last_line(log, MISSING_PATTERN) or "launcher missing", wall)
-        return failed("crash", _last_line(log, re.compile(r"Error|error")) or f"exit code {rc}", wall)
+        return failed("crash", _last_line(log, RANK_ERROR) or _last_line(log, re.compile(r"Error|error"))
+                      or f"exit code {rc}", wall)
     try:  # the one reader and the one summary, as advise uses them
         files = sorted(trial_dir.glob("metrics-rank*.csv"))
         summaries = summarize_columns(read_trial_columns(files), source=str(trial_dir)) if files else []

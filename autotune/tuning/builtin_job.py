@@ -13,7 +13,7 @@ from autotune.study.store import Study
 from autotune.trials.builtin import builtin_runner
 from autotune.trials.contract import Runner
 from autotune.trials.multinode import Cluster
-from autotune.tuning.starting_point import build_space, require_optimizer
+from autotune.tuning.starting_point import baseline_config, build_space, require_optimizer
 from autotune.tuning.steps import SettingStep
 from autotune.tuning.torch_engine import (
     check_engine,
@@ -36,7 +36,7 @@ class BuiltinJob:
     def check_config(self, opts: RunOptions, base: DsConfig) -> None:
         require_optimizer(base, opts.config)  # a config without one would fail every trial alike
         if opts.workload.engine == "torch":
-            check_torch_config(base, opts.config)
+            check_torch_config(opts, base, opts.config)
 
     def space(self, opts: RunOptions, base: DsConfig) -> SearchSpace:
         space = build_space(opts, base)
@@ -61,7 +61,7 @@ class BuiltinJob:
         wl = opts.workload
         steps: list[SettingStep] = []
         if wl.engine == "torch":  # the schedule sweep; the model settings below are DeepSpeed's PipelineModule's
-            steps.append(schedule_sweep(wl, root, note))
+            steps.append(schedule_sweep(wl, baseline_config(base, opts, space).gradient_accumulation_steps, root, note))
             return steps
         # the checkpoint step where the model allows it: the built-in model, not yet checkpointing
         if (opts.checkpoint_on_oom and wl.model is None and not wl.activation_checkpoint_interval

@@ -58,13 +58,21 @@ def check_engine(opts: RunOptions) -> None:
                        virtual_stages=wl.virtual_stages, available=pp_schedules.installed())
 
 
-def check_torch_config(base: DsConfig, path: object) -> None:
+def check_torch_config(opts: RunOptions, base: DsConfig, path: object) -> None:
     """What of the ds_config the torch engine cannot build (the same for every trial)."""
     from autotune.rank.torch_pp.engine import OPTIMIZERS
 
     kind = str((base.raw.get("optimizer") or {}).get("type", "")).lower()
     if kind not in OPTIMIZERS:
         raise UserError(f"{path}: optimizer {kind!r}: the torch engine builds Adam, AdamW or SGD")
+    wl = opts.workload
+    from autotune.tuning.starting_point import baseline_config, build_space
+
+    m = baseline_config(base, opts, build_space(opts, base)).gradient_accumulation_steps
+    why = pp_schedules.refuses(wl.schedule, ranks=wl.pipeline_stages, micro_batches=m,
+                               virtual_stages=wl.virtual_stages)
+    if why:
+        raise UserError(f"--schedule {wl.schedule}: {why} (the baseline's gradient_accumulation_steps, from {path})")
     for section in ("fp16", "bf16"):
         if (base.raw.get(section) or {}).get("enabled"):
             raise UserError(f"{path}: {section}: {NOT_YET} (its trials train in fp32)")
@@ -77,14 +85,22 @@ def torch_space(space: SearchSpace) -> SearchSpace:
                                            "each gradient whole (no ZeRO bucket)")
 
 
-def schedule_sweep(wl: WorkloadOptions, root: Path, note: Callable[[str], None]):
+def schedule_sweep(wl: WorkloadOptions, baseline_micro_batches: int, root: Path, note: Callable[[str], None]):
     """The schedule step: each installed schedule the layout fits, one trial each at the
     baseline's micro-batch and micro-batch count; the fastest kept for the search (the knob
-    sweep's rule, autotune/usercmd/knobs.py)."""
+    sweep's rule, autotune/usercmd/knobs.py). A schedule that refuses the baseline's count is
+    not swept, and the run says why."""
     from autotune.usercmd.knobs import Knob, KnobSweep
 
     preset = get_preset(wl.preset)
-    values = pp_schedules.fitting(ranks=wl.pipeline_stages, layers=preset.num_layers,
-                                  virtual_stages=wl.virtual_stages, available=pp_schedules.installed())
+    values = []
+    for name in pp_schedules.fitting(ranks=wl.pipeline_stages, layers=preset.num_layers,
+                                     virtual_stages=wl.virtual_stages, available=pp_schedules.installed()):
+        why = pp_schedules.refuses(name, ranks=wl.pipeline_stages, micro_batches=baseline_micro_batches,
+                                   virtual_stages=wl.virtual_stages)
+        if why:
+            note(f"      schedule {name} not swept: {why} (the baseline's count)")
+        else:
+            values.append(name)
     knob = Knob(name=SCHEDULE_KNOB, flag="--schedule", joined=False, values=tuple(values))
     return KnobSweep([knob], ("--schedule", wl.schedule), root, note)
