@@ -188,3 +188,9 @@ def test_pool_drift():
     out = run([sys.executable, "benchmarks/pool_drift.py", "--quick"], timeout=900)
     figure(out, r"^run 1: last third / first third \(medians\): ([\d.]+)", 0.05, 20)
     assert re.search(r"process groups per rank \[\d+(, \d+)*\]", out), out
+
+
+def test_torch_schedules(tmp_path):
+    out = run([sys.executable, "benchmarks/torch_schedules.py", "--quick", "--out", str(tmp_path)], timeout=900)
+    figure(out, r"^1F1B\s+2\s+([\d.]+)", 1, 1e6)  # the landscape's row: samples/s
+    figure(out, r"gain of the tuned schedule and count over the config's 1F1B: ([\d.]+)x", 0.05, 100)

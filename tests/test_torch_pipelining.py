@@ -214,4 +214,4 @@ def test_the_same_model_trains_the_same_under_both_engines(tmp_path):
     ds, tp = losses["deepspeed"], losses["torch"]
     assert len(ds) == len(tp) == 6 and ds[-1] < ds[0] - 0.1  # it trains
     assert tp[0] == pytest.approx(ds[0], abs=1e-5)
-    assert max(abs(a - b) for a, b in zip(ds, tp)) < 1e-3, (ds, tp)
+    assert max(abs(a - b) for a, b in zip(ds, tp, strict=True)) < 1e-3, (ds, tp)

@@ -45,7 +45,7 @@ def option(default: Any, help: str, *, flag: str | None = None, lo: float | None
 class WorkloadOptions:
     """How every trial of a study runs the built-in workload (fixed for the whole study)."""
 
-    preset: str = option("tiny", "Workload: tiny, small, wide-vocab (LM-head-heavy), llama-7b, llama-13b.",
+    preset: str = option("tiny", "Workload: tiny, small, medium (compute-bound on a CPU), wide-vocab (LM-head-heavy), llama-7b, llama-13b.",
                          group="workload")
     pipeline_stages: int = option(2, "Pipeline stages.", flag="--stages", lo=2, hi=1024, group="workload")
     data_parallel_size: int = option(2, "Data-parallel degree (ranks = stages x dp).", flag="--dp",

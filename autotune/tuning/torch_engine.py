@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from autotune.core import pp_schedules
 from autotune.core.dsconfig import DsConfig
@@ -21,6 +22,9 @@ from autotune.core.errors import UserError
 from autotune.core.options import RunOptions, WorkloadOptions
 from autotune.core.space import SearchSpace
 from autotune.rank.workload.presets import get_preset
+
+if TYPE_CHECKING:
+    from autotune.usercmd.knobs import KnobSweep
 
 ENGINES = ("deepspeed", "torch")
 SCHEDULE_KNOB = "schedule"
@@ -85,7 +89,8 @@ def torch_space(space: SearchSpace) -> SearchSpace:
                                            "each gradient whole (no ZeRO bucket)")
 
 
-def schedule_sweep(wl: WorkloadOptions, baseline_micro_batches: int, root: Path, note: Callable[[str], None]):
+def schedule_sweep(wl: WorkloadOptions, baseline_micro_batches: int, root: Path,
+                   note: Callable[[str], None]) -> KnobSweep:
     """The schedule step: each installed schedule the layout fits, one trial each at the
     baseline's micro-batch and micro-batch count; the fastest kept for the search (the knob
     sweep's rule, autotune/usercmd/knobs.py). A schedule that refuses the baseline's count is
