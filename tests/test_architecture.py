@@ -194,3 +194,48 @@ def test_nothing_imports_the_command_line():
     users = {m for m in MODULES if not m.startswith("autotune.cli") and m != "autotune.__main__"
              and any(i.startswith("autotune.cli") for i in _imports(m, module_level_only=False))}
     assert users == set()
+
+
+def _compares_engine_to_a_name(tree: ast.AST) -> list[int]:
+    """Lines that compare an `engine` value (a name or an attribute) with a string literal."""
+    def is_engine(n: ast.AST) -> bool:
+        return (isinstance(n, ast.Name) and n.id == "engine") or (isinstance(n, ast.Attribute) and n.attr == "engine")
+
+    def is_text(n: ast.AST) -> bool:
+        return isinstance(n, ast.Constant) and isinstance(n.value, str)
+
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            if any(is_engine(x) for x in sides) and any(is_text(x) for x in sides):
+                lines.append(node.lineno)
+    return lines
+
+
+def test_no_branch_on_the_engine_outside_the_engines_folder():
+    """Each engine is a plug-in (autotune/engines/): nothing else asks which engine runs."""
+    bad = {m: lines for m in MODULES if not m.startswith("autotune.engines")
+           if (lines := _compares_engine_to_a_name(TREES[m]))}
+    assert bad == {}
+    # the check itself can fail: it finds the branch the built-in job had before the seam
+    assert _compares_engine_to_a_name(ast.parse('if opts.workload.engine == "torch": pass')) == [1]
+
+
+def test_a_trial_is_handed_its_engines_launch():
+    """A runner never looks an engine up: the job hands it the engine's `RankLaunch`, so trials/
+    imports nothing of autotune/engines/ (whose setting steps are the tuning run's)."""
+    bad = {m: sorted(i for i in _imports(m, module_level_only=False) if i.startswith("autotune.engines"))
+           for m in MODULES if m.startswith("autotune.trials")}
+    assert {m: v for m, v in bad.items() if v} == {}
+
+
+def test_the_tuning_run_and_the_engines_do_not_reach_up():
+    """The knob sweep is the tuning run's own step (tuning/knob_sweep.py), not the user
+    command's, so an engine's setting step needs nothing of usercmd/; the run's page
+    (report_html/) is written by the command that ran it, not by the loop."""
+    up = {m: sorted(i for i in _imports(m, module_level_only=False) if i.startswith("autotune.usercmd"))
+          for m in MODULES if m.startswith("autotune.engines") or m == "autotune.tuning.knob_sweep"}
+    up.update({m: sorted(i for i in _imports(m, module_level_only=False) if i.startswith("autotune.report_html"))
+               for m in MODULES if m.startswith(("autotune.tuning", "autotune.trials", "autotune.engines"))})
+    assert {m: v for m, v in up.items() if v} == {}

@@ -105,7 +105,8 @@ def _tune(root, answers: dict[int, float | None], budget: int = 3, knobs: list[s
           imbalances: dict[int, float] | None = None, balance: bool | None = None):
     """A study run by the real loop: the partition step, or with `knobs` the knob sweep (and with
     `balance` as well the partition step before it, as one study runs both)."""
-    from autotune.usercmd.knobs import KnobSweep, parse_knobs
+    from autotune.tuning.knob_sweep import KnobSweep
+    from autotune.usercmd.knobs import own_values, parse_knobs
 
     study = Study.open(root, create=not (root / "study.db").exists())
     runner = KnobRunner(answers) if knobs else AnsweringRunner(answers, imbalances)
@@ -116,7 +117,8 @@ def _tune(root, answers: dict[int, float | None], budget: int = 3, knobs: list[s
     if balance or (balance is None and not knobs):
         steps.append(StageBalancer(study.root, lambda _: None, method=runner.workload.partition_method))
     if knobs:
-        steps.append(KnobSweep(parse_knobs(knobs), runner.command.script_args, study.root, lambda _: None))
+        parsed = parse_knobs(knobs)
+        steps.append(KnobSweep(parsed, own_values(parsed, runner.command.script_args), study.root, lambda _: None))
     try:
         result = Tuner(study=study, runner=runner, space=_space(), proposer=proposer, baseline=BASE,
                        note=RecordingDisplay().note, budget=budget, steps=steps, stop_early=False).run()

@@ -18,8 +18,9 @@ from step_driver import Driven
 
 from autotune.core.errors import UserError
 from autotune.core.space import TrialConfig
+from autotune.tuning.knob_sweep import KnobSweep
 from autotune.tuning.proposers.base import Proposal
-from autotune.usercmd.knobs import KnobSweep, parse_knob, parse_knobs, value_in, with_value
+from autotune.usercmd.knobs import own_values, parse_knob, parse_knobs, value_in, with_value
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "examples" / "pipeline_train.py"
@@ -92,7 +93,8 @@ class _Runner:
 
 
 def _sweep(tmp_path, *texts, own=("--partition", "parameters")):
-    sweep = Driven(KnobSweep(parse_knobs(list(texts)), own, tmp_path, note=lambda s: None))
+    knobs = parse_knobs(list(texts))
+    sweep = Driven(KnobSweep(knobs, own_values(knobs, own), tmp_path, note=lambda s: None))
     return sweep, _Runner(sweep)
 
 

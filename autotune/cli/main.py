@@ -55,13 +55,14 @@ def run_cmd(**kw) -> None:
     Every option, its default, unit and range, is declared once in autotune/core/options.py.
     """
     from autotune.core.options import from_cli
+    from autotune.report_html import at_end_of_run
     from autotune.study.store import stored_budget
     from autotune.tuning.session import tune
 
     budget = kw["budget"] if kw["budget"] is not None else (stored_budget(kw["study"]) or 20)
     opts = from_cli(kw, budget=budget)
     try:
-        result = tune(opts, command=list(kw["command"]) or None)
+        result = tune(opts, command=list(kw["command"]) or None, at_end=at_end_of_run)  # + report.html
     except KeyboardInterrupt:  # before the first trial started: nothing to stop
         click.echo("autotune: interrupted before any trial ran; nothing to clean up", err=True)
         sys.exit(130)

@@ -26,7 +26,7 @@ class Step(enum.Enum):
     CHECKPOINT = "checkpoint"
     """The checkpoint step (autotune/tuning/checkpoint_step.py)."""
     KNOB = "knob"
-    """The knob sweep of the user's model settings (autotune/usercmd/knobs.py)."""
+    """The knob sweep of the model settings (autotune/tuning/knob_sweep.py)."""
 
 
 BASELINE = "baseline"

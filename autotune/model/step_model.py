@@ -38,14 +38,16 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from autotune.core.dsconfig import DEEPSPEED_DEFAULT_BUCKET
 from autotune.core.errors import UserError
 from autotune.core.partition import in_flight
 from autotune.model.fits import GrowthFit, fit_growth, nonnegative_least_squares
 from autotune.model.observations import Observation
 from autotune.model.schedule import StageTimes, replay
 
-DEFAULT_BUCKET = 500_000_000
-"""DeepSpeed's reduce_bucket_size when the config sets none."""
+DEFAULT_BUCKET = DEEPSPEED_DEFAULT_BUCKET
+"""DeepSpeed's reduce_bucket_size when the config sets none, and ZeRO-0's fixed bucket: a trial
+whose bucket does not act records none (autotune/core/dsconfig.py `reduce_bucket_acts`)."""
 WEIGHT_BYTES, GRAD_BYTES, ADAM_BYTES = 4, 4, 8
 """fp32 weights and gradients, Adam's two moments (autotune's built-in workload and fp32 jobs)."""
 

@@ -1,7 +1,7 @@
 """Which of a study's measurements hold: `superseded()` and `best_of()`, from the trial rows alone.
 
 A model-setting step (the partition step, autotune/tuning/balance.py; the knob sweep,
-autotune/usercmd/knobs.py) runs a configuration the study has measured before with
+autotune/tuning/knob_sweep.py) runs a configuration the study has measured before with
 another model setting, and the study's history key (micro-batch, GAS, bucket) cannot tell
 the two apart. These rules say which runs count: the study's best (`Study.best`), the
 report and what the tuner tells its proposer all go through them. Apart from the

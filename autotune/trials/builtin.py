@@ -4,11 +4,11 @@ that stay alive between trials (autotune/trials/warm_pool.py), hand the ending t
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from autotune.core.dsconfig import DsConfig
 from autotune.core.faults import CONTROLLER_FAULTS, RANK_FAULTS
@@ -19,9 +19,9 @@ from autotune.rank.workload.trial_spec import SPEC_NAME, TrialSpec, describe_wor
 from autotune.trials.contract import TrialRequest
 from autotune.trials.judge import TrialOutcome, failed, judge
 from autotune.trials.launcher import (
-    TORCH_TRAIN_SCRIPT,
-    TORCHRUN,
+    DEEPSPEED_LAUNCH,
     LaunchSpec,
+    RankLaunch,
     TrialProcess,
     free_port,
     run_launch,
@@ -29,16 +29,30 @@ from autotune.trials.launcher import (
 from autotune.trials.multinode import Cluster, cluster_args, node_env, rendezvous_env, stop_on_nodes
 from autotune.trials.warm_pool import WarmWorkers, fresh_reason
 
+TEXT_WORKLOAD_FIELDS = frozenset(f.name for f in dataclasses.fields(WorkloadOptions) if f.type in ("str", str))
+"""The workload options a knob value (a string) can set."""
+
 
 class BuiltinRunner:
     """Trials of the built-in workload in fresh processes: each trial launches its ranks through
-    DeepSpeed's launcher (or the cluster's) and ends them. The fresh runner of the trial contract."""
+    its engine's launch (DeepSpeed's launcher or the cluster's by default, autotune/engines/) and
+    ends them. The fresh runner of the trial contract."""
 
     def __init__(self, workload: WorkloadOptions, base_config: DsConfig, *,
-                 launcher: list[str] | None = None, cluster: Cluster | None = None) -> None:
+                 launcher: list[str] | None = None, cluster: Cluster | None = None,
+                 launch: RankLaunch = DEEPSPEED_LAUNCH, workload_knobs: frozenset[str] = frozenset()) -> None:
+        unknown = workload_knobs - TEXT_WORKLOAD_FIELDS
+        if unknown:
+            raise ValueError(f"workload knobs {sorted(unknown)} are not text options of the workload")
         self.workload = workload
         self.base_config = base_config
         self.launcher = launcher
+        """A launcher command in place of the launch's own (tests: a launcher that fails on purpose)."""
+        self.launch = launch
+        """How the engine's ranks start (its engine's, autotune/engines/)."""
+        self.workload_knobs = workload_knobs
+        """The workload options the engine's setting steps sweep as knobs (the torch engine's
+        schedule): a request's knob value of one of these names sets it for that trial."""
         self.cluster = cluster
         """Where the ranks run (autotune/trials/multinode.py); None: this machine, stages x dp ranks."""
         self._cluster_args = cluster_args(cluster) if cluster is not None else None
@@ -49,7 +63,7 @@ class BuiltinRunner:
     def close(self) -> None:
         """Nothing outlives a fresh trial."""
 
-    def ds_config_for(self, config: TrialConfig) -> dict[str, Any]:
+    def ds_config_for(self, config: TrialConfig) -> dict[str, object]:
         return self.base_config.with_trial(
             micro_batch_size=config.micro_batch_size,
             gradient_accumulation_steps=config.gradient_accumulation_steps,
@@ -59,17 +73,21 @@ class BuiltinRunner:
         ).to_dict()
 
     def workload_for(self, request: TrialRequest) -> WorkloadOptions:
-        """The workload with what the setting steps asked of this trial (parts, layer-cost hooks)."""
-        changes: dict[str, Any] = {}
+        """The workload with what the setting steps asked of this trial (parts, layer-cost hooks,
+        and the workload options an engine's setting step sweeps by name: the torch engine's schedule)."""
+        swept = {k: v for k, v in request.knob_values.items() if k in self.workload_knobs}
+        if request.layer_costs is None and request.parts is None and not swept:
+            return self.workload
+        workload = copy.copy(self.workload)
         if request.layer_costs is not None:
-            changes["layer_costs"] = request.layer_costs
+            workload.layer_costs = request.layer_costs
         if request.parts is not None:
             from autotune.rank.pipeline_parts import method_for
 
-            changes["partition_method"] = method_for(request.parts)
-        if "schedule" in request.knob_values:  # the schedule sweep (--engine torch, autotune/tuning/builtin_job.py)
-            changes["schedule"] = request.knob_values["schedule"]
-        return dataclasses.replace(self.workload, **changes) if changes else self.workload
+            workload.partition_method = method_for(request.parts)
+        for name, value in swept.items():
+            setattr(workload, name, value)
+        return workload
 
     def describe(self, request: TrialRequest, trial_dir: Path) -> TrialSpec:
         """What the trial's ranks are told (written as trial-NNN/trial.json)."""
@@ -84,7 +102,7 @@ class BuiltinRunner:
         spec.plan.trace_steps = request.trace_steps
         return spec
 
-    def _prepare(self, request: TrialRequest) -> tuple[Path, dict[str, Any]]:
+    def _prepare(self, request: TrialRequest) -> tuple[Path, dict[str, object]]:
         """The trial folder with its ds_config.json and trial.json; the ds_config."""
         ds_config = self.ds_config_for(request.config)
         trial_dir, _ = prepare_trial_dir(request.trial_dir, ds_config)
@@ -97,12 +115,12 @@ class BuiltinRunner:
 
     def _run_fresh(self, request: TrialRequest, trial_dir: Path) -> TrialOutcome:
         fault = self.workload.fault_for(request.number)
+        launch = self.launch
         spec = LaunchSpec(num_ranks=self.workload.world_size, script_args=["--trial-spec", str(trial_dir / SPEC_NAME)],
-                          log_path=trial_dir / "launcher.log", timeout=request.timeout)
-        if self.launcher is not None:
-            spec.launcher = list(self.launcher)
-        if self.workload.engine == "torch":  # torchrun starts the ranks; no DeepSpeed op to build first
-            spec.launcher, spec.script, spec.preflight = list(TORCHRUN), TORCH_TRAIN_SCRIPT, None
+                          log_path=trial_dir / "launcher.log", timeout=request.timeout,
+                          launcher=list(self.launcher or launch.launcher), script=launch.script, style=launch.style)
+        if not launch.builds_ops:  # e.g. torchrun's ranks: no DeepSpeed op to build first
+            spec.preflight = None
         spec.cluster_args = self._cluster_args
         cluster = self.cluster if self.cluster is not None and self.cluster.multi_node else None
         if cluster is not None:  # the other nodes' ranks get their environment through DeepSpeed's env file
@@ -132,8 +150,9 @@ class WarmRunner(BuiltinRunner):
     run says why once. The warm runner of the trial contract."""
 
     def __init__(self, workload: WorkloadOptions, base_config: DsConfig, *,
-                 launcher: list[str] | None = None, note: Callable[[str], None] | None = None) -> None:
-        super().__init__(workload, base_config, launcher=launcher)
+                 launcher: list[str] | None = None, note: Callable[[str], None] | None = None,
+                 workload_knobs: frozenset[str] = frozenset()) -> None:
+        super().__init__(workload, base_config, launcher=launcher, workload_knobs=workload_knobs)
         self.warm = WarmWorkers(workload.world_size, launcher=launcher, note=note)
 
     def begin_close(self) -> None:
@@ -143,7 +162,7 @@ class WarmRunner(BuiltinRunner):
     def close(self) -> None:
         self.warm.close()
 
-    def _fresh_because(self, fault: str | None, ds_config: dict[str, Any]) -> str | None:
+    def _fresh_because(self, fault: str | None, ds_config: dict[str, object]) -> str | None:
         """Why this trial runs in fresh processes although the study asks for warm workers."""
         if fault in CONTROLLER_FAULTS:
             return f"the injected fault {fault!r} is a launch fault: this trial runs in fresh processes"
@@ -164,24 +183,25 @@ class WarmRunner(BuiltinRunner):
         return self._run_fresh(request, trial_dir)
 
 
-TORCH_IS_FRESH = "the torch engine's trials run in fresh processes (torchrun per trial; no warm pool yet)"
 MULTI_NODE_IS_FRESH = ("DeepSpeed launcher options (--hostfile, ...) are given: every trial runs in fresh "
                        "processes")
 
 
 def builtin_runner(workload: WorkloadOptions, base_config: DsConfig, *, launcher: list[str] | None = None,
-                   note: Callable[[str], None] | None = None, cluster: Cluster | None = None) -> BuiltinRunner:
-    """The built-in workload's runner: warm workers where the study asks for them and the ranks run on
-    this machine (a pool is launched with --num_gpus here), else fresh processes."""
+                   note: Callable[[str], None] | None = None, cluster: Cluster | None = None,
+                   launch: RankLaunch = DEEPSPEED_LAUNCH, workload_knobs: frozenset[str] = frozenset()) -> BuiltinRunner:
+    """The built-in workload's runner: warm workers where the study asks for them, the engine's
+    launch has them and the ranks run on this machine (a pool is launched with --num_gpus here),
+    else fresh processes."""
+    fresh = BuiltinRunner(workload, base_config, launcher=launcher, cluster=cluster, launch=launch,
+                          workload_knobs=workload_knobs)
     if workload.workers != "warm":
-        return BuiltinRunner(workload, base_config, launcher=launcher, cluster=cluster)
-    if workload.engine == "torch":
-        (note or print)(f"      warm workers: {TORCH_IS_FRESH}")
-        return BuiltinRunner(workload, base_config, launcher=launcher, cluster=cluster)
-    if cluster is not None:
-        (note or print)(f"      warm workers: {MULTI_NODE_IS_FRESH}")
-        return BuiltinRunner(workload, base_config, launcher=launcher, cluster=cluster)
-    return WarmRunner(workload, base_config, launcher=launcher, note=note)
+        return fresh
+    why = launch.warm_refusal or (MULTI_NODE_IS_FRESH if cluster is not None else None)
+    if why is not None:
+        (note or print)(f"      warm workers: {why}")
+        return fresh
+    return WarmRunner(workload, base_config, launcher=launcher, note=note, workload_knobs=workload_knobs)
 
 
 def prepare_trial_dir(trial_dir: Path, ds_config: dict, *, stale: tuple[str, ...] = ()) -> tuple[Path, Path]:

@@ -58,7 +58,7 @@ class TrialRequest:
     trace_steps: int = 0
     """Steps to record a torch.profiler trace of on every rank (the trace step); 0: none."""
     knob_values: dict[str, str] = field(default_factory=dict)
-    """The user's model settings for this trial (the knob sweep, autotune/usercmd/knobs.py)."""
+    """The user's model settings for this trial (the knob sweep, autotune/tuning/knob_sweep.py)."""
 
 
 @runtime_checkable

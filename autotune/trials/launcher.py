@@ -21,9 +21,34 @@ from pathlib import Path
 from autotune.trials import ext_locks
 
 TRAIN_SCRIPT = Path(__file__).resolve().parent.parent / "rank" / "workload" / "train.py"
-TORCH_TRAIN_SCRIPT = Path(__file__).resolve().parent.parent / "rank" / "torch_pp" / "train.py"
-"""The built-in workload's rank under torch.distributed.pipelining (`--engine torch`), started by torchrun."""
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+DEEPSPEED_RUNNER = (sys.executable, "-m", "deepspeed.launcher.runner")
+TORCHRUN = (sys.executable, "-m", "torch.distributed.run")
+DEEPSPEED_STYLE, TORCHRUN_STYLE = "deepspeed", "torchrun"
+"""How a launcher's command line is spelled (`build_command`): DeepSpeed's runner's options
+(`--num_gpus` or the cluster's, `--no_local_rank`) or torchrun's (`--nproc-per-node`)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RankLaunch:
+    """How an engine's ranks are started: chosen by the engine (autotune/engines/), run here.
+
+    The launch mechanisms are the trial's (DeepSpeed's runner, torchrun); which one starts which
+    rank entry is the engine's, so a runner is handed this value and never asks for an engine."""
+
+    launcher: tuple[str, ...]
+    script: Path
+    """The rank entry (autotune/rank/...): started once per rank by the launcher."""
+    style: str = DEEPSPEED_STYLE
+    """DEEPSPEED_STYLE or TORCHRUN_STYLE: how the command line is spelled."""
+    builds_ops: bool = True
+    """DeepSpeed's ops are built (and stale extension locks removed) before the ranks start."""
+    warm_refusal: str | None = None
+    """Why warm workers cannot run this engine's trials (they run fresh, and the run says so);
+    None: they can."""
+
+
+DEEPSPEED_LAUNCH = RankLaunch(launcher=DEEPSPEED_RUNNER, script=TRAIN_SCRIPT)
+"""The built-in workload's ranks under DeepSpeed's runner (the default of the built-in runner)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -33,8 +58,10 @@ class LaunchSpec:
     log_path: Path
     timeout: float
     env: dict[str, str] = field(default_factory=dict)
-    launcher: list[str] = field(default_factory=lambda: [sys.executable, "-m", "deepspeed.launcher.runner"])
+    launcher: list[str] = field(default_factory=lambda: list(DEEPSPEED_RUNNER))
     script: Path = TRAIN_SCRIPT
+    style: str = DEEPSPEED_STYLE
+    """How the launcher's command line is spelled (RankLaunch.style)."""
     cluster_args: list[str] | None = None
     """DeepSpeed launcher options that place the ranks (--hostfile, --include, --launcher, ...;
     autotune/trials/multinode.py); None: `--num_gpus num_ranks` on this machine."""
@@ -139,7 +166,7 @@ def _torch_sees_cuda() -> bool:
 
 
 def build_command(spec: LaunchSpec, master_port: int) -> list[str]:
-    if spec.launcher[-1] == TORCHRUN[-1]:  # torchrun's own spelling (one machine: --engine torch)
+    if spec.style == TORCHRUN_STYLE:  # torchrun's own spelling, on one machine
         return [*spec.launcher, "--nproc-per-node", str(spec.num_ranks), "--master-addr", "127.0.0.1",
                 "--master-port", str(master_port), str(spec.script), *spec.script_args]
     place = ["--num_gpus", str(spec.num_ranks)] if spec.cluster_args is None else spec.cluster_args

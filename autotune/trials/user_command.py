@@ -44,7 +44,7 @@ from autotune.trials.multinode import (
 from autotune.usercmd.command import UserCommand
 
 if TYPE_CHECKING:
-    from autotune.usercmd.knobs import Knob
+    from autotune.core.knob import Knob
 
 BOOTSTRAP_DIR = Path(__file__).resolve().parent.parent / "rank" / "bootstrap"
 PROBE_TIMEOUT = 900.0

@@ -4,7 +4,9 @@ Two jobs implement it: the built-in workload (autotune/tuning/builtin_job.py) an
 command (autotune/usercmd/job.py). Each offers its checks, its search space, its runner (the
 trial contract, autotune/trials/contract.py), its setting steps (autotune/tuning/steps.py) and
 its description, so the run's assembly (autotune/tuning/session.py) has no branch on which one it
-holds. Another pipeline engine plugs in here, as a third implementation.
+holds. An engine is not a job: the built-in job runs under any engine of autotune/engines/
+(the plug-in that owns the engine's launch, space, checks and setting steps), and a user's job
+under the engine its script builds.
 """
 
 from __future__ import annotations

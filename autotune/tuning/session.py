@@ -80,8 +80,10 @@ def resumed_job(study: Study, job: TuningJob) -> TuningJob:
 
 
 def tune(opts: RunOptions, display: ProgressDisplay | None = None, *,
-         command: list[str] | None = None) -> TuneResult:
-    """`command`: the user's own training command (autotune/usercmd); None = the built-in workload."""
+         command: list[str] | None = None,
+         at_end: Callable[[Study, Callable[[str], None]], object] | None = None) -> TuneResult:
+    """`command`: the user's own training command (autotune/usercmd); None = the built-in workload.
+    `at_end`: what the command writes once the run has ended (`autotune run`: report.html)."""
     require("tune", what="autotune run")  # before any trial: not N launcher_missing failures
     display = display or ProgressDisplay(budget=opts.budget)
     from autotune.trials import ext_locks
@@ -132,7 +134,8 @@ def tune(opts: RunOptions, display: ProgressDisplay | None = None, *,
         tuner = Tuner(study=study, runner=runner, space=space, proposer=proposer,
                       baseline=baseline, note=display.note, budget=opts.budget,
                       trial_timeout=opts.trial_timeout, startup_timeout=opts.startup_timeout,
-                      rules_fired=fired, steps=steps, callbacks=callbacks, stop_early=not opts.full_budget)
+                      rules_fired=fired, steps=steps, callbacks=callbacks, stop_early=not opts.full_budget,
+                      at_end=at_end)
         try:
             return tuner.run()
         finally:

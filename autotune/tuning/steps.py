@@ -2,7 +2,7 @@
 
 A setting step decides a model setting the Bayesian space has no dimension for: the
 partition rounds (autotune/tuning/balance.py), the checkpoint step (autotune/tuning/checkpoint_step.py)
-and the knob sweep (autotune/usercmd/knobs.py). Each puts its trials into the one queue
+and the knob sweep (autotune/tuning/knob_sweep.py). Each puts its trials into the one queue
 (`next_proposal`, as Optuna's `enqueue_trial` does), says what a trial runs with
 (`prepare`), and learns from each ending (`after`). The tuner runs a list of them, in
 order, so that any of them can run together in one study.

@@ -68,8 +68,12 @@ class Tuner:
                  trial_timeout: float | None = None, startup_timeout: float | None = None,
                  rules_fired: Callable[[TrialSummary], list[str]] | None = None,
                  steps: Sequence[SettingStep] = (), callbacks: Sequence[TunerCallback] = (),
-                 stop_early: bool = True) -> None:
+                 stop_early: bool = True,
+                 at_end: Callable[[Study, Callable[[str], None]], object] | None = None) -> None:
         self.study, self.runner, self.space, self.proposer = study, runner, space, proposer
+        self.at_end = at_end
+        """What the command adds once a run has ended and its files are written (`autotune run`:
+        report.html, autotune/report_html/); it says its own failures and never raises."""
         self.steps = list(steps)
         """The model-setting steps around the search, in the order they propose: the checkpoint
         step, the partition rounds, the knob sweep (autotune/tuning/steps.py)."""
@@ -124,9 +128,8 @@ class Tuner:
                 return TuneResult(results=results, interrupted=True, exit_code=stop.exit_code)
         self.runner.begin_close()  # the ranks exit while the outputs are written
         results = self.outputs.write()
-        from autotune.report_html import at_end_of_run
-
-        at_end_of_run(self.study, self.note)  # report.html, or one note saying why not
+        if self.at_end is not None:
+            self.at_end(self.study, self.note)
         return TuneResult(results=results)
 
     def _marker(self, number: int) -> str:

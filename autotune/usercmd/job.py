@@ -121,9 +121,11 @@ class UserJob:
             steps.append(StageBalancer(root, note, method=None, noise=noise,
                                        multi_node=own_cluster is not None and own_cluster.multi_node))
         if opts.knobs:
-            from autotune.usercmd.knobs import KnobSweep, parse_knobs
+            from autotune.tuning.knob_sweep import KnobSweep
+            from autotune.usercmd.knobs import own_values, parse_knobs
 
-            steps.append(KnobSweep(parse_knobs(opts.knobs), command.script_args, root, note))
+            knobs = parse_knobs(opts.knobs)
+            steps.append(KnobSweep(knobs, own_values(knobs, command.script_args), root, note))
         return steps
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from autotune.core.dsconfig import DEEPSPEED_DEFAULT_BUCKET
+
 
 def default_ds_config(data_parallel_size: int, global_batch: int = 64) -> dict[str, Any]:
     micro = 1
@@ -17,6 +19,6 @@ def default_ds_config(data_parallel_size: int, global_batch: int = 64) -> dict[s
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": global_batch // (micro * data_parallel_size),
         "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
-        "zero_optimization": {"stage": 1, "reduce_bucket_size": 500_000_000},
+        "zero_optimization": {"stage": 1, "reduce_bucket_size": DEEPSPEED_DEFAULT_BUCKET},
         "steps_per_print": 1_000_000_000,
     }

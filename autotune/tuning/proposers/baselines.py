@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from autotune.core.dsconfig import DEEPSPEED_DEFAULT_BUCKET
 from autotune.core.space import SearchSpace, TrialConfig
 from autotune.core.trial_result import TrialResult
 from autotune.tuning.proposers.base import Proposal
@@ -87,7 +88,7 @@ class DSAutotunerProposer:
         self.history = History(space)
         self._rng = np.random.default_rng(seed)
         self._gas: int | None = None
-        self._buckets = sorted({clamp_bucket(space, b) for b in (5e7, 5e8, 1e9)}) if space.bucket_range else [None]
+        self._buckets = sorted({clamp_bucket(space, b) for b in (5e7, DEEPSPEED_DEFAULT_BUCKET, 1e9)}) if space.bucket_range else [None]
 
     def tell(self, config: TrialConfig, result: TrialResult) -> None:
         if self.history.record(config, result) and self._gas is None and self.space.global_batch is None:
@@ -121,7 +122,7 @@ class DSAutotunerProposer:
     def _plan(self) -> tuple[TrialConfig | None, str]:
         """The next step of the fast-mode plan, recomputed from the history each time."""
         micros = self.space.micro_batch_sizes
-        b0 = clamp_bucket(self.space, 5e8)
+        b0 = clamp_bucket(self.space, DEEPSPEED_DEFAULT_BUCKET)
         cfgs = {i: c for i in range(len(micros)) if (c := self._cfg(i, b0)) is not None}
         if not cfgs:
             return None, ""

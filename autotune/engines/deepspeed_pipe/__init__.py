@@ -1,0 +1,1 @@
+"""DeepSpeed's PipelineEngine: the default engine of the built-in workload (autotune/engines/)."""

@@ -1,0 +1,130 @@
+"""The knob sweep: a setting step (autotune/tuning/steps.py) that measures each candidate value
+of a model setting once, at the baseline's micro-batch and GAS, one knob after the other.
+
+Model settings change how the model is built, not the batch layout, so they are swept once
+around the search rather than searched with it: each candidate value is one trial; the fastest
+value is kept for every later trial when it beats the measurement in force (the baseline's, or
+an earlier knob's kept value), and the Bayesian search spends its trials on micro-batch, GAS
+and bucket. The sweep is written to `STUDY/knobs.json` and rebuilt from it on resume.
+
+Whose knobs: the user's own script's (`--knob`, autotune/usercmd/knobs.py maps them to its
+flags) and an engine's own settings (the torch engine's schedule, autotune/engines/torch_pipe/).
+What this does not see: a knob whose best value depends on the micro-batch (activation
+checkpointing frees memory for a larger one); docs/user-script.md says so.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+from autotune.core.fileio import write_atomic
+from autotune.core.knob import Knob
+from autotune.core.trial_kind import BASELINE, Step, TrialKind
+from autotune.core.trial_kind import KNOB_PREFIX as SOURCE_PREFIX
+from autotune.study.store import TrialRow
+from autotune.trials.contract import TrialRequest
+from autotune.tuning.proposers.base import Proposal
+from autotune.tuning.steps import TrialEnd
+
+RESULT_NAME = "knobs.json"
+
+
+class KnobSweep:
+    """The knob step of a tuning run: one trial per candidate value, at the baseline's layout."""
+
+    def __init__(self, knobs: list[Knob], own: Mapping[str, str | None], study_root: Path,
+                 note: Callable[[str], None] = print) -> None:
+        self.knobs, self.root, self.note = knobs, Path(study_root), note
+        self.kept: dict[str, str | None] = {k.name: own.get(k.name) for k in knobs}
+        """The value each knob runs with outside its sweep: the job's own (the user's command's
+        flag, an engine option's value), None where it has none (the script's own default)."""
+        self.queue: list[Proposal] = []
+        self.results: dict[str, dict[str, float | None]] = {k.name: {} for k in knobs}
+        self.baseline_sps: float | None = None
+        self.current_sps: float | None = None
+        """samples/s of the measurement in force at the baseline's layout: the baseline's, then
+        each kept value's (a later knob's trials run with the earlier knobs' kept values)."""
+        self.planned = False
+        self.running: str | None = None
+        """The knob trial between `prepare` and `after`."""
+
+    # -- around each trial --------------------------------------------------------------------
+    def prepare(self, request: TrialRequest, kind: TrialKind) -> None:
+        """The knobs' values for this trial: the kept ones, and the one a knob trial measures."""
+        values = dict(self.kept)
+        setting = kind.knob_setting
+        self.running = kind.label if setting is not None else None
+        if setting is not None:
+            values[setting[0]] = setting[1]
+        request.knob_values = {k: v for k, v in values.items() if v is not None}
+
+    def after(self, end: TrialEnd) -> None:
+        self._after(end.proposal, end.ok, end.samples_per_second)
+
+    def _after(self, proposal: Proposal, ok: bool, samples_per_second: float | None) -> None:
+        self.running = None
+        kind = proposal.kind
+        if kind.is_baseline:
+            if ok:
+                self.baseline_sps = self.current_sps = float(samples_per_second or 0.0)
+                self._plan(proposal)
+        elif (setting := kind.knob_setting) is not None:
+            name, value = setting
+            self.results[name][value] = float(samples_per_second) if ok and samples_per_second else None
+            if not any(p.source.startswith(f"{SOURCE_PREFIX}{name}=") for p in self.queue):
+                self._decide(name)
+        self._write()
+
+    def next_proposal(self) -> Proposal | None:
+        return self.queue.pop(0) if self.queue else None
+
+    @property
+    def deciding(self) -> bool:
+        """Knob trials are queued or running: the baseline's key has no final measurement yet
+        (the tuner holds what it tells the proposer until then; autotune/tuning/balance.py `superseded`)."""
+        return bool(self.queue) or self.running is not None
+
+    def replay(self, finished: Sequence[TrialRow], redo: Sequence[TrialRow], budget: int | None = None) -> None:
+        """Rebuild the sweep from the study's finished trials (a resume)."""
+        base = next((t for t in finished if t.number == 0), None)
+        if base is None or base.status != "ok":
+            return
+        self._after(Proposal(config=base.config, source=BASELINE), True, base.samples_per_second)
+        for t in sorted(finished, key=lambda t: t.number):
+            if TrialKind.of(t.source).step is Step.KNOB:
+                self.queue = [p for p in self.queue if p.source != t.source]
+                self._after(Proposal(config=t.config, source=t.source), t.status == "ok", t.samples_per_second)
+        pending = {t.source for t in redo}
+        self.queue = [p for p in self.queue if p.source not in pending]
+
+    # -- the decision -----------------------------------------------------------------------------
+    def _plan(self, baseline: Proposal) -> None:
+        if self.planned:
+            return
+        self.planned = True
+        for k in self.knobs:
+            for v in k.values:
+                if v != self.kept[k.name]:
+                    self.queue.append(Proposal(
+                        config=baseline.config, source=TrialKind.knob(k.name, v).label,
+                        reason=f"knob {k.name}: {' '.join(k.tokens(v))} at the baseline's micro-batch and GAS"))
+
+    def _decide(self, name: str) -> None:
+        """Keep the fastest value if it beats the measurement in force (the rule `superseded` replays)."""
+        base = self.current_sps or 0.0
+        measured = {v: s for v, s in self.results[name].items() if s is not None}
+        best = max(measured, key=lambda v: measured[v]) if measured else None
+        if best is not None and measured[best] > base:
+            self.kept[name] = best
+            self.current_sps = measured[best]
+            self.note(f"      knob {name}: {best} kept for the later trials ({measured[best]:.1f} against "
+                      f"{base:.1f} samples/s with the value before it)")
+        else:
+            self.note(f"      knob {name}: no value beat the one in force ({base:.1f} samples/s); kept as it was")
+
+    def _write(self) -> None:
+        info = {"baseline_samples_per_second": self.baseline_sps, "kept": self.kept,
+                "measured": self.results, "pending": [p.source for p in self.queue]}
+        write_atomic(self.root / RESULT_NAME, json.dumps(info, indent=2) + "\n")

@@ -1,0 +1,109 @@
+"""The engine seam (autotune/engines/): every registered engine answers the same questions, and
+what differs between engines reaches a trial only through what its engine hands the runner.
+
+The real trials under each engine are the shared studies' and tests/test_torch_pipelining.py's;
+these are the seam's own promises, checked without a launch."""
+
+from __future__ import annotations
+
+import pytest
+
+from autotune.core.dsconfig import DsConfig
+from autotune.core.errors import UserError
+from autotune.core.options import RunOptions, WorkloadOptions
+from autotune.core.space import TrialConfig
+from autotune.engines.registry import DEFAULT, ENGINES, engine_named
+from autotune.trials.builtin import BuiltinRunner, WarmRunner, builtin_runner
+from autotune.trials.contract import TrialRequest
+from autotune.trials.launcher import DEEPSPEED_STYLE, TORCHRUN_STYLE, LaunchSpec, build_command
+from autotune.tuning.builtin_job import BuiltinJob
+
+BASE = DsConfig.from_dict({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 1,
+                           "gradient_accumulation_steps": 8, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+                           "zero_optimization": {"stage": 1}})
+
+
+def _opts(engine: str, **workload) -> RunOptions:
+    return RunOptions(workload=WorkloadOptions(engine=engine, preset="tiny", **workload))
+
+
+@pytest.mark.parametrize("name", sorted(ENGINES))
+def test_every_engine_answers_the_jobs_questions(name):
+    engine = ENGINES[name]
+    assert engine.name == name and engine.title
+    assert engine.launch.script.is_file(), engine.launch.script  # the rank entry it names ships
+    opts = _opts(name)
+    engine.validate(opts)  # its own defaults are honoured
+    engine.check_config(opts, BASE)
+    job = BuiltinJob()
+    space = job.space(opts, BASE)
+    described = job.describe(opts)
+    assert described.startswith("workload: tiny") and (name == DEFAULT) == (described.count("engine:") == 0)
+    assert all(hasattr(step, "next_proposal") for step in job.steps(opts, BASE, space, root=_tmp(),
+                                                                   note=lambda _t: None, noise=0.1, cluster=None))
+    assert engine.workload_knobs <= {"schedule"}
+
+
+def _tmp():
+    import tempfile
+    from pathlib import Path
+
+    return Path(tempfile.mkdtemp())
+
+
+def test_an_unknown_engine_is_one_line_naming_the_engines():
+    with pytest.raises(UserError, match="--engine 'jax': use deepspeed or torch"):
+        engine_named("jax")
+
+
+def test_the_bucket_is_searched_only_where_the_engine_has_one():
+    job = BuiltinJob()
+    assert job.space(_opts("deepspeed"), BASE).bucket_range is not None  # ZeRO-1, dp 2
+    torch_space = job.space(_opts("torch"), BASE)
+    assert torch_space.bucket_range is None and "no ZeRO bucket" in torch_space.bucket_note
+
+
+def test_the_performance_models_tuner_is_refused_for_an_engine_it_does_not_model():
+    opts = _opts("torch")
+    opts.tuner = "model"
+    with pytest.raises(UserError, match="--tuner model: not available under --engine torch yet"):
+        BuiltinJob().validate(opts)
+    ok = _opts("deepspeed")
+    ok.tuner = "model"
+    BuiltinJob().validate(ok)
+
+
+def test_the_launch_is_the_engines_and_so_are_warm_workers():
+    torch = engine_named("torch")
+    said: list[str] = []
+    runner = builtin_runner(WorkloadOptions(engine="torch", workers="warm"), BASE, note=said.append,
+                            launch=torch.launch, workload_knobs=torch.workload_knobs)
+    assert type(runner) is BuiltinRunner and said and torch.launch.warm_refusal in said[0]
+    warm = builtin_runner(WorkloadOptions(workers="warm"), BASE, note=said.append)
+    try:
+        assert isinstance(warm, WarmRunner)
+    finally:
+        warm.close()
+
+
+def test_each_launch_spells_its_own_command_line():
+    ds = LaunchSpec(num_ranks=4, script_args=["--x"], log_path=_tmp() / "l", timeout=1.0)
+    assert ds.style == DEEPSPEED_STYLE and "--num_gpus" in build_command(ds, 29500)
+    tr = LaunchSpec(num_ranks=4, script_args=["--x"], log_path=_tmp() / "l", timeout=1.0, style=TORCHRUN_STYLE)
+    cmd = build_command(tr, 29500)
+    assert cmd[cmd.index("--nproc-per-node") + 1] == "4" and "--num_gpus" not in cmd
+
+
+def test_only_the_options_an_engine_sweeps_reach_the_workload():
+    """A knob value sets a workload option only where the engine declared it (the torch engine's
+    schedule); a user's knob of the same name as another option (partition_method) is its command's."""
+    request = TrialRequest(number=1, config=TrialConfig(micro_batch_size=1, gradient_accumulation_steps=8),
+                           trial_dir=_tmp(), timeout=1.0)
+    request.knob_values = {"schedule": "GPipe", "partition_method": "uniform"}
+    wl = WorkloadOptions(engine="torch")
+    swept = BuiltinRunner(wl, BASE, workload_knobs=frozenset({"schedule"})).workload_for(request)
+    assert (swept.schedule, swept.partition_method) == ("GPipe", wl.partition_method)
+    assert wl.schedule == "1F1B"  # the runner's own workload is left as it was
+    assert BuiltinRunner(wl, BASE).workload_for(request).schedule == "1F1B"
+    with pytest.raises(ValueError, match="not text options"):
+        BuiltinRunner(wl, BASE, workload_knobs=frozenset({"pipeline_stages"}))
