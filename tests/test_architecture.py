@@ -35,7 +35,8 @@ CORE_TO_EXPORTERS = {"autotune.rank.instrument", "autotune.tuning.session", "aut
 # may reach, lazy imports included: the data model. A feature that writes trials of its own
 # kind (the knob sweep, the partition step) names its source there, so the store never imports it.
 STORE_REACHES = {"autotune.study.store", "autotune.study.measurements", "autotune.core.space",
-                 "autotune.core.errors", "autotune.core.dsconfig", "autotune.core.trial_kind"}
+                 "autotune.core.errors", "autotune.core.dsconfig", "autotune.core.trial_kind",
+                 "autotune.core.trial_result"}
 
 ALLOWED_IMPORT_FALLBACKS = {
     # Without torch there is no CUDA: the trial ranks get DeepSpeed's CPU accelerator.

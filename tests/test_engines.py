@@ -107,3 +107,49 @@ def test_only_the_options_an_engine_sweeps_reach_the_workload():
     assert BuiltinRunner(wl, BASE).workload_for(request).schedule == "1F1B"
     with pytest.raises(ValueError, match="not text options"):
         BuiltinRunner(wl, BASE, workload_knobs=frozenset({"pipeline_stages"}))
+
+
+def test_one_ds_config_for_every_runner_and_its_checkpoint_interval_reaches_deepspeed(tmp_path):
+    """`trial_ds_config` is every runner's: the user's own config is kept as written where the
+    trial is its own, and a checkpoint interval is written where DeepSpeed reads it. A real
+    PipelineEngine (one gloo rank) shows that `pipeline.activation_checkpoint_interval` in the
+    config sets the module's interval, so a user's script runs the checkpointed trial too."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from autotune.core.space import TrialConfig
+    from autotune.trials.contract import trial_ds_config
+
+    own = DsConfig.from_dict({"train_batch_size": 8, "gradient_accumulation_steps": 4,
+                              "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}})
+    same = TrialConfig(micro_batch_size=2, gradient_accumulation_steps=4)
+    assert trial_ds_config(own, same, 1, own_when_unchanged=True) == own.to_dict()  # byte for byte the user's
+    checkpointed = TrialConfig(micro_batch_size=2, gradient_accumulation_steps=4, activation_checkpoint_interval=1)
+    cfg = trial_ds_config(own, checkpointed, 1, own_when_unchanged=True)
+    assert cfg["pipeline"] == {"activation_checkpoint_interval": 1} and cfg["train_micro_batch_size_per_gpu"] == 2
+    assert trial_ds_config(own, checkpointed, 1) == cfg  # the built-in runner's is the same
+
+    (tmp_path / "ds.json").write_text(json.dumps(cfg))
+    script = (
+        "import json, sys, torch, deepspeed\n"
+        "from deepspeed.pipe import PipelineModule\n"
+        "deepspeed.init_distributed('gloo')\n"
+        "m = PipelineModule(layers=[torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)], num_stages=1,"
+        " loss_fn=torch.nn.MSELoss(), activation_checkpoint_interval=0)\n"
+        "deepspeed.initialize(model=m, config=json.load(open(sys.argv[1])), model_parameters=m.parameters())\n"
+        "print('interval', m.activation_checkpoint_interval)\n")
+    from autotune.trials.launcher import free_port, remove_shm_buffers
+
+    port = free_port()
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+    try:
+        out = subprocess.run([sys.executable, "-c", script, str(tmp_path / "ds.json")], env=env, cwd=tmp_path,
+                             capture_output=True, text=True, timeout=240)
+    finally:
+        remove_shm_buffers(port)  # DeepSpeed's CPU comm op leaves them (autotune/trials/launcher.py)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "interval 1" in out.stdout.splitlines(), out.stdout[-500:]
+

@@ -43,7 +43,12 @@ CHECKPOINT = "checkpoint"
 """An out-of-memory micro-batch again with activation checkpointing."""
 KNOB_PREFIX = "knob:"
 """`knob:NAME=VALUE`: the baseline's layout with one of the user's model settings changed."""
-REMEASURE_LABELS = ("remeasure", "confirm", "recheck")
+BAYES, EXPLORE, CLIMB = "bayes", "explore", "climb"
+"""The hybrid proposer's own proposals (autotune/tuning/proposers/hybrid.py): the surrogate's
+pick, a random point before any rule fired, a step from the best along one axis. A rule's
+proposal is labelled by its rules' ids joined with "+"."""
+REMEASURE, CONFIRM, RECHECK = "remeasure", "confirm", "recheck"
+REMEASURE_LABELS = (REMEASURE, CONFIRM, RECHECK)
 """The proposer's re-measurements of a configuration measured before."""
 
 

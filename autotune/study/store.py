@@ -23,13 +23,13 @@ from typing import Any
 
 from autotune.core.errors import StudyError
 from autotune.core.space import TrialConfig
+from autotune.core.trial_result import STATUS_FAILED, STATUS_OK
 
 STUDY_FORMAT = 1
 DB_NAME = "study.db"
 
 STATUS_RUNNING = "running"
-STATUS_OK = "ok"
-STATUS_FAILED = "failed"
+# a finished trial's two statuses are the data model's (what the search is told)
 STATUS_INTERRUPTED = "interrupted"
 COUNTED = (STATUS_OK, STATUS_FAILED)
 

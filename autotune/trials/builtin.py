@@ -16,7 +16,7 @@ from autotune.core.options import WorkloadOptions
 from autotune.core.space import TrialConfig
 from autotune.core.step_budget import RECORD_NAME as STEP_RECORD
 from autotune.rank.workload.trial_spec import SPEC_NAME, TrialSpec, describe_workload
-from autotune.trials.contract import TrialRequest
+from autotune.trials.contract import TrialRequest, trial_ds_config
 from autotune.trials.judge import TrialOutcome, failed, judge
 from autotune.trials.launcher import (
     DEEPSPEED_LAUNCH,
@@ -26,7 +26,13 @@ from autotune.trials.launcher import (
     free_port,
     run_launch,
 )
-from autotune.trials.multinode import Cluster, cluster_args, node_env, rendezvous_env, stop_on_nodes
+from autotune.trials.multinode import (
+    Cluster,
+    cluster_args,
+    node_env,
+    rendezvous_env,
+    stop_on_other_nodes,
+)
 from autotune.trials.warm_pool import WarmWorkers, fresh_reason
 
 TEXT_WORKLOAD_FIELDS = frozenset(f.name for f in dataclasses.fields(WorkloadOptions) if f.type in ("str", str))
@@ -64,13 +70,7 @@ class BuiltinRunner:
         """Nothing outlives a fresh trial."""
 
     def ds_config_for(self, config: TrialConfig) -> dict[str, object]:
-        return self.base_config.with_trial(
-            micro_batch_size=config.micro_batch_size,
-            gradient_accumulation_steps=config.gradient_accumulation_steps,
-            data_parallel_size=self.workload.data_parallel_size,
-            reduce_bucket_size=config.reduce_bucket_size,
-            activation_checkpoint_interval=config.activation_checkpoint_interval,
-        ).to_dict()
+        return trial_ds_config(self.base_config, config, self.workload.data_parallel_size)
 
     def workload_for(self, request: TrialRequest) -> WorkloadOptions:
         """The workload with what the setting steps asked of this trial (parts, layer-cost hooks,
@@ -135,12 +135,8 @@ class BuiltinRunner:
             detail = f"training script {spec.script} not found; reinstall autotune"
             spec.log_path.write_text(detail + "\n", encoding="utf-8")
             return failed("launcher_missing", detail, 0.0)
-
-        def stop_on_other_nodes(proc: TrialProcess) -> None:
-            if cluster is not None:
-                stop_on_nodes(cluster, str(trial_dir), master_port=proc.master_port)
-
-        outcome = run_launch(TrialProcess(spec), on_start=request.on_start, after_stop=stop_on_other_nodes)
+        outcome = run_launch(TrialProcess(spec), on_start=request.on_start,
+                             after_stop=stop_on_other_nodes(cluster, str(trial_dir)))
         return judge(outcome, trial_dir, request.timeout)
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
+from autotune.core.dsconfig import DEEPSPEED_DEFAULT_BUCKET, DsConfig
 from autotune.core.space import TrialConfig
 from autotune.rank.watchdog import StallLimits
 
@@ -84,3 +85,30 @@ class Runner(Protocol):
     def close(self) -> None:
         """The end of the run: nothing of the runner is left running."""
         ...
+
+
+def trial_ds_config(base: DsConfig, config: TrialConfig, data_parallel_size: int, *,
+                    own_when_unchanged: bool = False) -> dict[str, object]:
+    """The ds_config.json a trial of `config` runs with, for every runner (`Runner.ds_config_for`):
+    the base config with the trial's micro-batch, GAS, train_batch_size, bucket and
+    `pipeline.activation_checkpoint_interval` (DeepSpeed's PipelineEngine sets it on the module
+    when > 0, deepspeed-facts.md, so a user's script runs it too).
+
+    `own_when_unchanged`: where the base would run exactly this trial, the base itself, as the
+    user wrote it (the user's command: its own config stays byte for byte its own)."""
+    if own_when_unchanged:
+        layout = base.resolve_batch(data_parallel_size)
+        own_bucket = base.reduce_bucket_size or DEEPSPEED_DEFAULT_BUCKET
+        if (config.micro_batch_size == layout.micro_batch_size
+                and config.gradient_accumulation_steps == layout.gradient_accumulation_steps
+                and config.reduce_bucket_size in (None, own_bucket)
+                and config.activation_checkpoint_interval in (0, base.activation_checkpoint_interval)):
+            return dict(base.to_dict())
+    return dict(base.with_trial(
+        micro_batch_size=config.micro_batch_size,
+        gradient_accumulation_steps=config.gradient_accumulation_steps,
+        data_parallel_size=data_parallel_size,
+        reduce_bucket_size=config.reduce_bucket_size,
+        activation_checkpoint_interval=config.activation_checkpoint_interval,
+    ).to_dict())
+

@@ -35,8 +35,10 @@ import shlex
 import shutil
 import subprocess
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from autotune.core.errors import UserError
 from autotune.core.nodes import NODES_ENV, encode_nodes
@@ -423,6 +425,23 @@ def master_address(host: str, ssh_port: int | None, *, over_ssh: bool = True) ->
     if not words:
         raise UserError(f"cannot find the address of {host} (`hostname -I` over ssh); give --master_addr")
     return words[0]
+
+
+class _HasMasterPort(Protocol):
+    master_port: int | None
+
+
+def stop_on_other_nodes(cluster: Cluster | None, marker: str | None) -> Callable[[_HasMasterPort], None]:
+    """The one hook every launch runs once its local process group is gone (`run_launch`'s
+    `after_stop`; `autotune watch` calls it too): on several nodes, the ranks there are children
+    of each node's sshd, not of the launcher's group, so they are stopped over ssh
+    (`stop_on_nodes`); on one node, nothing. `marker`: the trial folder on the ranks' command
+    lines, None for a watched job (its launcher's master port names it)."""
+    def stop(proc: _HasMasterPort) -> None:
+        if cluster is not None and cluster.multi_node:
+            stop_on_nodes(cluster, marker, master_port=proc.master_port)
+
+    return stop
 
 
 def stop_on_nodes(cluster: Cluster, marker: str | None, *, master_port: int | None = None,

@@ -24,14 +24,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from autotune.core.dsconfig import DEEPSPEED_DEFAULT_BUCKET, DsConfig
+from autotune.core.dsconfig import DsConfig
 from autotune.core.noise import NOISE_MARGIN
 from autotune.core.rank_plan import RankPlan
 from autotune.core.space import TrialConfig
 from autotune.rank.hook import ENV, FILE_ENV, MODE_PROBE, MODE_TRIAL, BootstrapSettings
 from autotune.rank.watchdog import StallLimits
 from autotune.trials.builtin import prepare_trial_dir
-from autotune.trials.contract import TrialRequest
+from autotune.trials.contract import TrialRequest, trial_ds_config
 from autotune.trials.judge import TrialOutcome, failed, judge
 from autotune.trials.launcher import LaunchOutcome, LaunchSpec, TrialProcess, free_port, run_launch
 from autotune.trials.multinode import (
@@ -39,7 +39,7 @@ from autotune.trials.multinode import (
     node_env,
     rendezvous_env,
     resolve_cluster,
-    stop_on_nodes,
+    stop_on_other_nodes,
 )
 from autotune.usercmd.command import UserCommand
 
@@ -111,13 +111,8 @@ def launch(command: UserCommand, *, ds_config: Path, cwd: Path, run_dir: Path, s
     spec = LaunchSpec(num_ranks=0, script_args=[], log_path=run_dir / "launcher.log", timeout=timeout,
                       env=rank_env(settings), launcher=list(command.prefix))
     command, cluster = multi_node_command(command, settings, run_dir, spec, cwd=cwd)
-
-    def stop_on_other_nodes(proc: TrialProcess) -> None:
-        if cluster is not None:  # ranks on the nodes are sshd's children, not in the launcher's group
-            stop_on_nodes(cluster, str(run_dir), master_port=proc.master_port)
-
     return run_launch(CommandProcess(spec, command, ds_config, cwd, master_port=spec.master_port), on_start=on_start,
-                      after_stop=stop_on_other_nodes)
+                      after_stop=stop_on_other_nodes(cluster, str(run_dir)))
 
 
 def read_markers(run_dir: Path, kind: str) -> list[dict]:
@@ -228,22 +223,9 @@ class UserCommandRunner:
     def close(self) -> None:
         """Nothing outlives a trial of the user's command."""
 
-    def _is_unchanged(self, config: TrialConfig) -> bool:
-        """The user's own config would run exactly this: write it as it is."""
-        layout = self.base_config.resolve_batch(self.data_parallel_size)
-        own_bucket = self.base_config.reduce_bucket_size or DEEPSPEED_DEFAULT_BUCKET
-        return (config.micro_batch_size == layout.micro_batch_size
-                and config.gradient_accumulation_steps == layout.gradient_accumulation_steps
-                and config.reduce_bucket_size in (None, own_bucket))
-
     def ds_config_for(self, config: TrialConfig) -> dict[str, Any]:
-        if self._is_unchanged(config):
-            return self.base_config.to_dict()
-        return self.base_config.with_trial(
-            micro_batch_size=config.micro_batch_size,
-            gradient_accumulation_steps=config.gradient_accumulation_steps,
-            data_parallel_size=self.data_parallel_size, reduce_bucket_size=config.reduce_bucket_size,
-        ).to_dict()
+        """The user's own config where it would run exactly this trial, else it with the trial's values."""
+        return trial_ds_config(self.base_config, config, self.data_parallel_size, own_when_unchanged=True)
 
     def settings_for(self, request: TrialRequest, trial_dir: Path) -> BootstrapSettings:
         """What the trial's ranks are told (through the bootstrap's environment or file)."""

@@ -32,7 +32,7 @@ from autotune.core.options import endpoint_defaults
 from autotune.core.rank_plan import RankPlan
 from autotune.rank.hook import MODE_WATCH, BootstrapSettings
 from autotune.trials.launcher import LaunchSpec, free_port
-from autotune.trials.multinode import resolve_cluster, stop_on_nodes
+from autotune.trials.multinode import resolve_cluster, stop_on_other_nodes
 from autotune.trials.user_command import CommandProcess, multi_node_command, rank_env, read_markers
 from autotune.tuning.stop_signals import (
     Stopped,
@@ -246,8 +246,8 @@ class Watch:
         command, cluster = multi_node_command(self.p.command, settings, self.run_dir, spec, cwd=self.p.cwd)
         proc = CommandProcess(spec, command, self.p.config, self.p.cwd,
                               master_port=own_master_port(self.p.command) or free_port())
-        self.stop_nodes = (lambda: stop_on_nodes(cluster, None, master_port=proc.master_port)) if cluster \
-            else (lambda: None)
+        stop_nodes = stop_on_other_nodes(cluster, None)
+        self.stop_nodes = lambda: stop_nodes(proc)
         echo = _LogEcho(spec.log_path, self.console.out if o.echo else (lambda text: None))
         try:
             with stop_on_signals():

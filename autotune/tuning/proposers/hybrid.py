@@ -46,6 +46,7 @@ from dataclasses import replace
 
 from autotune.core.noise import NOISE_MARGIN
 from autotune.core.space import SearchSpace, TrialConfig
+from autotune.core.trial_kind import BAYES, CLIMB, CONFIRM, EXPLORE, RECHECK, REMEASURE
 from autotune.core.trial_result import TrialResult
 from autotune.tuning.proposers import convergence
 from autotune.tuning.proposers.base import Proposal
@@ -133,7 +134,7 @@ class HybridProposer:
 
     def ask(self) -> Proposal:
         prop = self._remeasure() or self._confirm() or self._recheck() or self._choose()
-        if prop.source in ("confirm", "recheck"):
+        if prop.source in (CONFIRM, RECHECK):
             self._rechecks += 1
         self.history.pending.add(prop.config.key())
         return prop
@@ -196,7 +197,7 @@ class HybridProposer:
             return None
         g = min(pairs, key=lambda p: abs(p[1] - incumbent.gradient_accumulation_steps))[1]
         cfg = replace(incumbent, micro_batch_size=m, gradient_accumulation_steps=g)
-        return Proposal(config=cfg, source="climb",
+        return Proposal(config=cfg, source=CLIMB,
                         reason=f"micro-batch {incumbent.micro_batch_size} -> {m}: larger micro-batches use the "
                                "device better and no trial has run out of memory there")
 
@@ -251,14 +252,14 @@ class HybridProposer:
                         c = cands[j]
                         return Proposal(config=c.config, source=c.source,
                                         reason=f"{c.reason} (surrogate EI {scores[j]:.3g} vs best {score:.3g})")
-                return Proposal(config=cfg, source="bayes",
+                return Proposal(config=cfg, source=BAYES,
                                 reason=f"GP expected improvement x P(fits) {score:.3g} over "
                                        f"{len(self.history.observations)} trials")
         if cands:
             return cands[0]
         prop = self.bayes.ask()  # random un-vetoed point while the GP has no data
         self.history.pending.discard(prop.config.key())
-        return Proposal(config=prop.config, source="explore", reason="random point, no rule fired yet")
+        return Proposal(config=prop.config, source=EXPLORE, reason="random point, no rule fired yet")
 
     def _recheck(self) -> Proposal | None:
         """Re-run a once-measured config that contradicts pipeline physics (a likely straggler).
@@ -287,7 +288,7 @@ class HybridProposer:
         if worst is None:
             return None
         ratio, cfg, v = worst
-        return Proposal(config=cfg, source="recheck",
+        return Proposal(config=cfg, source=RECHECK,
                         reason=f"measured {v:.3g} samples/s, {ratio - 1:.0%} below the same micro-batch with "
                                "fewer micro-batches per step: likely a straggler, measure again")
 
@@ -305,7 +306,7 @@ class HybridProposer:
         p = self.feasibility.p_ok(best)
         if n > 1 or p >= 0.9:
             return None
-        return Proposal(config=best, source="confirm",
+        return Proposal(config=best, source=CONFIRM,
                         reason=f"best so far ({v:.3g} samples/s) fits in memory with estimated probability "
                                f"{p:.0%}: run it again before recommending it")
 
@@ -321,6 +322,6 @@ class HybridProposer:
         (best, v1, n1), (_, v2, _) = ranked[0], ranked[1]
         if n1 > 1 or v2 < v1 * (1 - self.noise):
             return None
-        return Proposal(config=best, source="remeasure",
+        return Proposal(config=best, source=REMEASURE,
                         reason=f"best {v1:.3g} samples/s within {self.noise:.0%} of the runner-up {v2:.3g}: "
                                "measure it again before choosing")
