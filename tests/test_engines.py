@@ -109,7 +109,7 @@ def test_only_the_options_an_engine_sweeps_reach_the_workload():
         BuiltinRunner(wl, BASE, workload_knobs=frozenset({"pipeline_stages"}))
 
 
-def test_one_ds_config_for_every_runner_and_its_checkpoint_interval_reaches_deepspeed(tmp_path):
+def test_one_ds_config_for_every_runner_and_what_the_rank_reads_of_deepspeeds_engines(tmp_path):
     """`trial_ds_config` is every runner's: the user's own config is kept as written where the
     trial is its own, and a checkpoint interval is written where DeepSpeed reads it. A real
     PipelineEngine (one gloo rank) shows that `pipeline.activation_checkpoint_interval` in the
@@ -138,8 +138,13 @@ def test_one_ds_config_for_every_runner_and_its_checkpoint_interval_reaches_deep
         "deepspeed.init_distributed('gloo')\n"
         "m = PipelineModule(layers=[torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)], num_stages=1,"
         " loss_fn=torch.nn.MSELoss(), activation_checkpoint_interval=0)\n"
-        "deepspeed.initialize(model=m, config=json.load(open(sys.argv[1])), model_parameters=m.parameters())\n"
-        "print('interval', m.activation_checkpoint_interval)\n")
+        "pipe, *_ = deepspeed.initialize(model=m, config=json.load(open(sys.argv[1])), model_parameters=m.parameters())\n"
+        "print('interval', m.activation_checkpoint_interval)\n"
+        "from autotune.rank.engine_face import layout_of\n"
+        "print('pipeline', layout_of(pipe))\n"
+        "lin = torch.nn.Linear(4, 4)\n"
+        "plain, *_ = deepspeed.initialize(model=lin, config=json.load(open(sys.argv[1])), model_parameters=lin.parameters())\n"
+        "print('plain', layout_of(plain))\n")
     from autotune.trials.launcher import free_port, remove_shm_buffers
 
     port = free_port()
@@ -152,4 +157,10 @@ def test_one_ds_config_for_every_runner_and_its_checkpoint_interval_reaches_deep
         remove_shm_buffers(port)  # DeepSpeed's CPU comm op leaves them (autotune/trials/launcher.py)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "interval 1" in out.stdout.splitlines(), out.stdout[-500:]
+    # the rank side's one reader of an engine's layout (autotune/rank/engine_face.py), on both of
+    # DeepSpeed's engines: a plain DeepSpeedEngine (ZeRO, HF Trainer, Lightning) has no stages
+    lines = {line.split(" ", 1)[0]: line for line in out.stdout.splitlines()}
+    assert "micro_batch_size=2, accumulation_steps=4, data_parallel_size=1, topology=Topology(stages=1, stage=0)" \
+        in lines["pipeline"], out.stdout
+    assert "micro_batch_size=2, accumulation_steps=4, data_parallel_size=1, topology=None" in lines["plain"], out.stdout
 

@@ -180,12 +180,15 @@ class _RankState:
             _flush_std()
             os._exit(EXIT_NOT_PIPELINE)  # nothing of the script may run on (it would train for days)
         self.engine = engine
+        from autotune.rank.engine_face import layout_of
+
+        layout = layout_of(engine)
         self.write_marker("engine", {
-            "engine": type(engine).__name__, "pipeline": True, "stages": int(engine.num_stages),
-            "stage": int(engine.stage_id), "dp": int(engine.grid.data_parallel_size),
+            "engine": type(engine).__name__, "pipeline": layout.topology is not None, "stages": layout.stages,
+            "stage": layout.stage, "dp": layout.data_parallel_size,
             "dp_rank": int(engine.grid.get_data_parallel_rank()),
-            "micro_batch_size": int(engine.train_micro_batch_size_per_gpu()),
-            "gradient_accumulation_steps": int(engine.gradient_accumulation_steps()),
+            "micro_batch_size": layout.micro_batch_size,
+            "gradient_accumulation_steps": layout.accumulation_steps,
             "parameters": int(sum(p.numel() for p in engine.module.parameters())),
             "parts": [int(x) for x in getattr(engine.module, "parts", [])],  # the layers each stage got
             "layers": layer_classes(engine.module),  # what a type:REGEX partition method matches

@@ -26,6 +26,7 @@ from typing import Any, Protocol
 from autotune.core.dsconfig import reduce_bucket_acts
 from autotune.core.schema import StepRecord
 from autotune.core.summary import busy_fraction
+from autotune.rank.engine_face import layout_of
 from autotune.rank.p2p_split import P2P_INSTRUCTIONS, TransferSplit, p2p_category
 from autotune.rank.timing import CPU_SUFFIX, IntervalTimer, make_timer
 
@@ -164,10 +165,9 @@ class PipelineProbe:
 
     def _record(self, step_seconds: float, parts: dict[str, float], loss: Any) -> StepRecord:
         eng = self.engine
-        micro = int(eng.train_micro_batch_size_per_gpu())
-        gas = int(eng.gradient_accumulation_steps())
-        dp = int(eng.grid.data_parallel_size)
-        stages = int(eng.num_stages)
+        layout = layout_of(eng)  # the one reader of the engine's layout (autotune/rank/engine_face.py)
+        micro, gas, dp = layout.micro_batch_size, layout.accumulation_steps, layout.data_parallel_size
+        stages = layout.stages
         optimizer = parts.get(OPTIMIZER, 0.0)
         compute = parts.get(COMPUTE, 0.0) + optimizer
         transfer, wait = self.transfers.split(self.timer.intervals())
@@ -185,7 +185,7 @@ class PipelineProbe:
         if peak is None and self.device_type == "cpu":
             peak = float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
         return StepRecord(
-            time=time.time(), trial=self.trial, rank=int(eng.global_rank), stage=int(eng.stage_id),
+            time=time.time(), trial=self.trial, rank=layout.rank, stage=layout.stage,
             step=self.step, warmup=int(self.step < self.warmup_steps),
             step_seconds=step_seconds, samples_per_second=samples_per_second,
             tokens_per_second=samples_per_second * self.seq_length if self.seq_length else None,
@@ -251,7 +251,7 @@ def instrument(engine: Any, *, csv_path: str | None = None, metrics_port: int | 
     if csv_path is not None:
         from autotune.rank.metrics_csv import CsvSink
 
-        rank = int(os.environ.get("RANK", engine.global_rank))
+        rank = int(os.environ.get("RANK", layout_of(engine).rank))
         path = csv_path.replace("{rank}", str(rank))
         sinks.append(CsvSink(path))
     device = engine_device_probe(engine)
@@ -262,8 +262,9 @@ def instrument(engine: Any, *, csv_path: str | None = None, metrics_port: int | 
         # default: HTTP served by a child process, off this process's GIL
         start = start_rank_exporter if metrics_in_process else start_sidecar_exporter
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        labels = {"job": job, "trial": str(trial), "rank": str(engine.global_rank),
-                  "stage": str(engine.stage_id), "device": str(engine.device), "host": socket.gethostname()}
+        layout = layout_of(engine)
+        labels = {"job": job, "trial": str(trial), "rank": str(layout.rank),
+                  "stage": str(layout.stage), "device": str(engine.device), "host": socket.gethostname()}
         exporter = start(addr=metrics_addr, port=metrics_port + local_rank, labels=labels)
         if exporter is not None:
             sinks.append(exporter)

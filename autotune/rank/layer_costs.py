@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from autotune.core.fileio import write_atomic
+from autotune.rank.engine_face import layout_of
 from autotune.rank.timing import IntervalTimer, make_timer, work_view
 
 FILE_PATTERN = "layer-costs-rank{rank}.csv"
@@ -186,17 +187,18 @@ class LayerCostSink:
         bwd_layers = sum(med.get(f"bwd:{i}", 0.0) for i, _, _ in self.layers)
         overhead = max(0.0, med.get(_FWD_PASS, 0.0) - fwd_layers) + max(0.0, med.get(_BWD_PASS, 0.0) - bwd_layers)
         peak, kind = _peak_memory(self.device_type)
+        layout = layout_of(eng)
         out = []
         for index, name, layer in self.layers:
             params = sum(p.numel() for p in layer.parameters()) if layer is not None else 0
             out.append({
-                "rank": int(eng.global_rank), "stage": int(eng.stage_id), "stages": int(eng.num_stages),
+                "rank": layout.rank, "stage": layout.stage, "stages": layout.stages,
                 "layer": index, "name": name,
                 "forward_seconds": med.get(f"fwd:{index}", 0.0), "backward_seconds": med.get(f"bwd:{index}", 0.0),
                 "parameters": params, "activation_bytes": self.activation.get(index, 0),
                 "stage_overhead_seconds": overhead, "stage_peak_memory_bytes": peak, "peak_memory_kind": kind,
-                "micro_batch_size": int(eng.train_micro_batch_size_per_gpu()),
-                "gradient_accumulation_steps": int(eng.gradient_accumulation_steps()), "steps": len(self.steps),
+                "micro_batch_size": layout.micro_batch_size,
+                "gradient_accumulation_steps": layout.accumulation_steps, "steps": len(self.steps),
             })
         return out
 

@@ -40,8 +40,9 @@ def rank_watchdog(plan: RankPlan, rank: int | None = None) -> Any:
 
 def global_batch(engine: Any) -> int:
     """Samples per optimizer step over every data-parallel rank."""
-    return (int(engine.train_micro_batch_size_per_gpu()) * int(engine.gradient_accumulation_steps())
-            * int(engine.grid.data_parallel_size))
+    from autotune.rank.engine_face import layout_of
+
+    return layout_of(engine).global_batch
 
 
 @dataclass(kw_only=True, slots=True)

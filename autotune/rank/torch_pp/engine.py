@@ -37,6 +37,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from autotune.core import pp_schedules
+from autotune.rank.engine_face import EngineLayout, Topology
 
 INSTRUCTIONS = ("ForwardPass", "BackwardPass", "OptimizerStep", "LoadMicroBatch", "ReduceGrads",
                 "SendActivation", "SendGrad", "RecvActivation", "RecvGrad")
@@ -123,6 +124,12 @@ class TorchPipeEngine:
         install_p2p_timing(self)
 
     # -- DeepSpeed's engine face ---------------------------------------------------------------
+    def autotune_layout(self) -> EngineLayout:
+        """The engine face's layout (autotune/rank/engine_face.py), stated rather than read as DeepSpeed's."""
+        return EngineLayout(rank=self.global_rank, micro_batch_size=self.micro, accumulation_steps=self.m,
+                            data_parallel_size=self.grid.data_parallel_size,
+                            topology=Topology(stages=self.num_stages, stage=self.stage_id))
+
     def train_micro_batch_size_per_gpu(self) -> int:
         return self.micro
 
