@@ -31,10 +31,10 @@ PACKAGES = ("autotune", "exporters")
 # the core's data model (schema, summary, space), never the other way round elsewhere.
 CORE_TO_EXPORTERS = {"autotune.rank.instrument", "autotune.tuning.session", "autotune.usercmd.watch"}
 
-# What the study store (`autotune.study.store`, with the rows' rules it asks: `autotune.study.measurements`)
+# What the study store (`autotune.study.store`, with the rows' rules it asks: `autotune.core.measurements`)
 # may reach, lazy imports included: the data model. A feature that writes trials of its own
 # kind (the knob sweep, the partition step) names its source there, so the store never imports it.
-STORE_REACHES = {"autotune.study.store", "autotune.study.measurements", "autotune.core.space",
+STORE_REACHES = {"autotune.study.store", "autotune.core.measurements", "autotune.core.space",
                  "autotune.core.errors", "autotune.core.dsconfig", "autotune.core.trial_kind",
                  "autotune.core.trial_result"}
 

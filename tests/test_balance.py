@@ -11,10 +11,10 @@ from builders import healthy_summary
 from step_driver import Driven
 
 from autotune.core.dsconfig import DsConfig
+from autotune.core.measurements import superseded
 from autotune.core.options import WorkloadOptions
 from autotune.core.space import TrialConfig
 from autotune.rank.layer_costs import rows_to_csv
-from autotune.study.measurements import superseded
 from autotune.study.partition_record import describe_result
 from autotune.trials.builtin import BuiltinRunner
 from autotune.tuning.balance import (

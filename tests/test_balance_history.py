@@ -16,11 +16,11 @@ import json
 from builders import RecordingDisplay, ScriptedRunner, healthy_summary
 
 from autotune.core.dsconfig import DsConfig
+from autotune.core.measurements import superseded
 from autotune.core.options import WorkloadOptions
 from autotune.core.space import SearchSpace, TrialConfig
 from autotune.core.trial_result import STATUS_OK, TrialResult
 from autotune.rank.layer_costs import rows_to_csv
-from autotune.study.measurements import superseded
 from autotune.study.partition_record import describe_result
 from autotune.study.store import Study
 from autotune.trials.builtin import BuiltinRunner

@@ -171,9 +171,9 @@ def gather_study(study: Study) -> StudyReport:
     results = read_results(study, meta=lambda key: _meta_value(study, key))
     trials, baseline, best = list(results.trials), results.baseline, results.best
     measurements: dict[tuple, list[float]] = {}
-    from autotune.study.measurements import superseded
+    from autotune.core.measurements import superseded
 
-    stale = superseded(trials)  # partition and knob trials share a measured key (autotune/study/measurements.py)
+    stale = superseded(trials)  # partition and knob trials share a measured key (autotune/core/measurements.py)
     for t in trials:
         if t.status == STATUS_OK and t.samples_per_second and t.number not in stale:
             measurements.setdefault(t.config.key(), []).append(t.samples_per_second)

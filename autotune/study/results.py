@@ -80,8 +80,8 @@ class StudyResults:
 def read_results(study: Study, *, meta: Callable[[str], Any] | None = None) -> StudyResults:
     """The study's results now. `meta(key)` reads a stored value (default `study.get_meta_json`,
     which raises on a damaged one; the report passes a reader that answers None instead)."""
+    from autotune.core.measurements import best_of
     from autotune.study.job_record import META_KEY, describe_job
-    from autotune.study.measurements import best_of
     from autotune.study.partition_record import read_result
 
     read = meta or study.get_meta_json

@@ -269,7 +269,7 @@ class Study:
 
     def best(self) -> TrialRow | None:
         """The configuration with the highest mean samples/s over its successful trials (`best_of`)."""
-        from autotune.study.measurements import best_of
+        from autotune.core.measurements import best_of
 
         return best_of(self.trials())
 

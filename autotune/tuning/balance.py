@@ -37,7 +37,7 @@ them as runs of one configuration (a rejected partition dragged the baseline's m
 and was named the best trial; a kept one was averaged with the partition it replaced),
 and the proposer was told a failed partition trial as a failure of the configuration
 (which drops it from the proposer's means and teaches the memory model a false failure).
-`superseded()` (autotune/study/measurements.py) names the trials whose measurement does not
+`superseded()` (autotune/core/measurements.py) names the trials whose measurement does not
 hold for the partition the study runs from then on; `Study.best()`, the report and the
 tuner's proposer leave them out, and the tuner tells the proposer the round's
 configuration once, with the measurement that holds, after the decision (`deciding`).
@@ -57,6 +57,7 @@ from typing import Any
 
 from autotune.core.errors import UserError
 from autotune.core.fileio import write_atomic
+from autotune.core.measurements import COSTS, RECHECK, REFERENCE, SOURCE
 from autotune.core.noise import NOISE_MARGIN
 from autotune.core.partition import (
     bounding_layer,
@@ -66,7 +67,6 @@ from autotune.core.partition import (
 )
 from autotune.core.space import TrialConfig
 from autotune.core.trial_kind import Step, TrialKind
-from autotune.study.measurements import COSTS, RECHECK, REFERENCE, SOURCE
 from autotune.study.partition_record import RESULT_NAME, at_config
 from autotune.trials.contract import TrialRequest
 from autotune.tuning.proposers.base import Proposal
@@ -413,8 +413,8 @@ class StageBalancer:
         where the budget's room decided (a recheck, a round), what followed the trial says what
         was decided (a resume may bring another budget); after the last trial, the budget left.
         A step's trial interrupted (in `redo`) runs again as itself, not a second time."""
+        from autotune.core.measurements import best_of
         from autotune.core.summary import TrialSummary
-        from autotune.study.measurements import best_of
 
         saved = self.note
         self.note = lambda _text: None  # said when it happened

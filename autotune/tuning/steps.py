@@ -57,7 +57,7 @@ class SettingStep(Protocol):
     @property
     def deciding(self) -> bool:
         """Its trials are queued or running: the configuration they re-run has no final
-        measurement yet, so the tuner holds what it tells the proposer (autotune/study/measurements.py)."""
+        measurement yet, so the tuner holds what it tells the proposer (autotune/core/measurements.py)."""
         ...
 
     def replay(self, finished: Sequence[TrialRow], redo: Sequence[TrialRow], budget: int | None) -> None:

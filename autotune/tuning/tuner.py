@@ -94,7 +94,7 @@ class Tuner:
         (autotune/tuning/search_stop.py); False with --full-budget."""
         self._held: dict[int, tuple[TrialConfig, TrialResult]] = {}
         """Results not told to the proposer yet: held while a setting step decides which of the
-        measurements of the configuration it re-runs holds (autotune/study/measurements.py `superseded`)."""
+        measurements of the configuration it re-runs holds (autotune/core/measurements.py `superseded`)."""
 
     # -- the loop -------------------------------------------------------------
     def run(self) -> TuneResult:
@@ -268,11 +268,11 @@ class Tuner:
         A partition round (or knob) trial runs a configuration measured before with other parts: the
         proposer must see that configuration once, with the measurement that holds for the
         partition later trials run (a failed or slower partition trial is not a run of the
-        configuration; a kept one replaces the runs before it: autotune/study/measurements.py). Checkpointed trials are never
+        configuration; a kept one replaces the runs before it: autotune/core/measurements.py). Checkpointed trials are never
         told: the proposers' encoding has no checkpoint interval (autotune/tuning/checkpoint_step.py)."""
         if any(step.deciding for step in self.steps):
             return
-        from autotune.study.measurements import superseded
+        from autotune.core.measurements import superseded
 
         stale = superseded(self.study.counted())
         for n in sorted(self._held):

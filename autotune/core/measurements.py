@@ -4,8 +4,9 @@ A model-setting step (the partition step, autotune/tuning/balance.py; the knob s
 autotune/tuning/knob_sweep.py) runs a configuration the study has measured before with
 another model setting, and the study's history key (micro-batch, GAS, bucket) cannot tell
 the two apart. These rules say which runs count: the study's best (`Study.best`), the
-report and what the tuner tells its proposer all go through them. Apart from the
-model-setting modules, so that both the study and the steps can use them.
+report and what the tuner tells its proposer all go through them. Part of the data model
+(rules over trial rows, no feature imported), so that the study, the steps and the report use
+the same rules without the study reaching up into a step.
 """
 
 from __future__ import annotations
