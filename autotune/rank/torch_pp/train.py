@@ -9,6 +9,7 @@ codes and the same loop (`_train`); only the engine differs (autotune/rank/torch
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 from autotune.rank.workload.train import EXIT_OOM, TrialRun, parse_args, startup_fault
@@ -80,8 +81,24 @@ def run_trial(spec, *, watchdog=None) -> TrialRun:
             watchdog.stop()
         wiring.close()
         dist.destroy_process_group()
+    else:
+        wiring.close()  # the failed trial's CSV written out before the rank ends without a shutdown (below)
     return TrialRun(exit_code=code, losses=losses)
 
 
+def exit_now(code: int) -> None:
+    """End a failed rank with its exit code and no interpreter shutdown. At shutdown the process
+    group's gloo threads can be torn down while still joinable: in a fresh-clone suite run
+    (2026-12-06) the NaN-loss trial's rank aborted there ("terminate called without an active
+    exception", SIGABRT), so torchrun reported signal 6 and the trial read as killed, not
+    nonfinite_loss."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if code != 0:
+        exit_now(code)
+    sys.exit(code)
