@@ -15,7 +15,7 @@ What the probe times (the instructions and their categories) is still DeepSpeed'
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, cast, runtime_checkable
+from typing import Protocol, cast
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -54,7 +54,6 @@ class EngineLayout:
         return self.topology.stages if self.topology is not None else 1
 
 
-@runtime_checkable
 class DeclaresLayout(Protocol):
     """An engine that states its own layout rather than be read as DeepSpeed's."""
 
@@ -63,8 +62,9 @@ class DeclaresLayout(Protocol):
 
 def layout_of(engine: object) -> EngineLayout:
     """The engine's layout now (a DeepSpeed engine can change its micro-batch count live)."""
-    if isinstance(engine, DeclaresLayout):
-        return engine.autotune_layout()
+    own = getattr(engine, "autotune_layout", None)  # per step (the probe's record): no protocol isinstance
+    if own is not None:
+        return cast(DeclaresLayout, engine).autotune_layout()
     return _deepspeed_layout(engine)
 
 
