@@ -36,7 +36,7 @@ CORE_TO_EXPORTERS = {"autotune.rank.instrument", "autotune.tuning.session", "aut
 # kind (the knob sweep, the partition step) names its source there, so the store never imports it.
 STORE_REACHES = {"autotune.study.store", "autotune.core.measurements", "autotune.core.space",
                  "autotune.core.errors", "autotune.core.dsconfig", "autotune.core.trial_kind",
-                 "autotune.core.trial_result"}
+                 "autotune.core.trial_result", "autotune.core.noise"}
 
 ALLOWED_IMPORT_FALLBACKS = {
     # Without torch there is no CUDA: the trial ranks get DeepSpeed's CPU accelerator.

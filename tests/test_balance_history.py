@@ -263,6 +263,18 @@ def test_knob_trials_are_no_second_runs_of_the_baseline_and_a_later_knob_beats_t
     assert info["kept"] == {"partition_method": "uniform", "activation_checkpoint_interval": "0"}
 
 
+def test_a_knob_value_within_the_noise_of_the_one_in_force_is_a_tie_and_leaves_it(tmp_path):
+    # baseline 10; uniform 10.8 (+8 %: within the 10 % noise between launches) ties, so the
+    # script's own value stays; checkpointing 12 (+20 % over the 10 in force) beats it
+    summary, best, proposer, runner = _tune(tmp_path / "st", {0: 10.0, 1: 10.8, 2: 12.0, 3: 9.0}, budget=4, knobs=KNOBS)
+    own = runner.seen[0]["partition_method"]
+    assert own != "uniform" and runner.seen[2] == {"partition_method": own, "activation_checkpoint_interval": "1"}
+    info = json.loads((tmp_path / "st" / "knobs.json").read_text())
+    assert info["kept"] == {"partition_method": own, "activation_checkpoint_interval": "1"}
+    # the rows' replay agrees: the tied run does not stand for the baseline's key, the kept one does
+    assert best.number == 2 and best.samples_per_second == 12.0 and best.repeats == 1
+
+
 def test_failed_or_slower_knob_trials_leave_the_baseline_alone(tmp_path):
     summary, best, proposer, _ = _tune(tmp_path / "st", {0: 10.0, 1: None, 2: 8.0, 3: 9.5}, budget=4, knobs=KNOBS)
     assert best.number == 0 and best.samples_per_second == 10.0 and best.repeats == 1
@@ -273,7 +285,7 @@ def test_the_partition_step_and_the_knob_sweep_run_in_one_study(tmp_path):
     """Both setting steps in the tuner's one list: the partition round first (from the baseline's
     layer costs), then the knob trials at the baseline's layout with the kept parts, and only
     then the proposer, which is told the baseline's key once, with the measurement that holds."""
-    answers = {0: 10.0, 1: 12.0, 2: 13.0, 3: 11.0, 4: 9.0, 5: 9.5}
+    answers = {0: 10.0, 1: 12.0, 2: 14.0, 3: 11.0, 4: 9.0, 5: 9.5}
     summary, best, proposer, runner = _tune(tmp_path / "st", answers, budget=6, knobs=KNOBS, balance=True,
                                             imbalances={0: 1.4})
     rows = {t["trial"]: t for t in summary["trials"]}
@@ -284,5 +296,5 @@ def test_the_partition_step_and_the_knob_sweep_run_in_one_study(tmp_path):
     assert runner.seen[3] == {"partition_method": "uniform", "activation_checkpoint_interval": "1"}
     assert json.loads((tmp_path / "st" / "partition.json").read_text())["decision"] == "kept"
     assert json.loads((tmp_path / "st" / "knobs.json").read_text())["kept"]["partition_method"] == "uniform"
-    assert best.number == 2 and best.samples_per_second == 13.0
+    assert best.number == 2 and best.samples_per_second == 14.0
     assert [c for c, _, _ in proposer.told][:1] == [BASE] and len([c for c, _, _ in proposer.told if c == BASE]) == 1

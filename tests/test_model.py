@@ -264,3 +264,25 @@ def test_the_model_tuner_ranks_untried_points_by_prediction(builtin_study):
         assert prop.running_error() == pytest.approx(0.1)
     else:  # the study measured one bucket count: the bucket is what it asks to measure
         assert "bucket count only" in proposal.reason
+
+
+def test_the_model_reads_the_bucket_rule_so_a_zero0_bucket_costs_what_deepspeeds_fixed_one_does(builtin_study):
+    """core/dsconfig.py's rule: the bucket acts with ZeRO-1 and dp > 1 only; ZeRO-0 reduces in
+    DeepSpeed's fixed 5e8 bucket whatever the config says (deepspeed-facts.md)."""
+    import dataclasses
+
+    from autotune.model.step_model import Layout, bucket_in_effect, predict
+    from autotune.model.study_model import model_of_study
+
+    cal = model_of_study(builtin_study.study).calibration
+    assert cal.zero_stage == 1 and cal.data_parallel_size == 2  # read from the trials' ds_config.json
+    cal = dataclasses.replace(cal, reduce_per_bucket=0.01)  # a bucket's cost the prediction can show
+
+    def reduce(bucket: int, zero: int | None) -> float:
+        return predict(cal, Layout(micro_batch_size=4, gradient_accumulation_steps=4, stages=cal.stages,
+                                   data_parallel_size=2, reduce_bucket_size=bucket, zero_stage=zero)).terms["reduce"]
+
+    assert reduce(1_000, 1) > reduce(500_000_000, 1)  # ZeRO-1: a small bucket is more buckets
+    assert reduce(1_000, None) == reduce(1_000, 1)  # None: the calibrating study's stage
+    assert reduce(1_000, 0) == reduce(500_000_000, 0) == reduce(500_000_000, 1)
+    assert bucket_in_effect(1_000, 1, 1) is None and bucket_in_effect(1_000, None, 2) == 1_000

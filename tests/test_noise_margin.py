@@ -63,3 +63,21 @@ def test_no_module_but_autotune_noise_writes_the_margin_as_a_number():
                 found += [f"{path.relative_to(REPO)}:{name}" for name, value in pairs
                           if name in MARGIN_NAMES and _numbers(value)]
     assert found == [], "the noise margin is autotune.core.noise.NOISE_MARGIN; import it"
+
+
+def test_the_tie_is_one_rule_and_its_users_read_it():
+    from autotune.core.noise import beats, tie_floor, ties
+    from autotune.core.step_budget import hopeless_step_seconds
+
+    assert ties(10.0, 9.0) and ties(9.0, 10.0) and not ties(10.0, 8.9)
+    assert beats(12.0, 10.0) and not beats(10.8, 10.0) and not beats(9.0, 10.0)
+    assert beats(1.0, 0.0)  # nothing measured in force: any measurement beats it
+    # the early stop: a step slower than the incumbent's tie floor cannot tie (8 samples / 10 per s)
+    assert hopeless_step_seconds(10.0, NOISE_MARGIN, 8) == 8 / tie_floor(10.0)
+    # no module writes the tie as arithmetic on the margin any more
+    for path in (REPO / "autotune").rglob("*.py"):
+        if path.name == "noise.py":
+            continue
+        text = path.read_text(encoding="utf-8")
+        for pattern in ("(1 - self.noise)", "(1.0 - noise)", "(1 - noise)", "- 1.0) <= self.noise"):
+            assert pattern not in text, f"{path.relative_to(REPO)} writes the tie itself: {pattern}"

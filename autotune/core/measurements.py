@@ -15,6 +15,7 @@ import dataclasses
 from statistics import fmean
 from typing import Any
 
+from autotune.core.noise import beats
 from autotune.core.trial_kind import PARTITION as SOURCE
 from autotune.core.trial_kind import PARTITION_COSTS as COSTS
 from autotune.core.trial_kind import PARTITION_RECHECK as RECHECK
@@ -37,8 +38,10 @@ def superseded(trials: list[Any]) -> set[int]:
     in force when it ran.
 
     A knob trial of a user's script (`--knob`, usercmd/knobs.py: source `knob:NAME=VALUE`)
-    is the same case, another model setting at the baseline's key, and `KnobSweep` keeps a
-    value by the same rule (faster than the measurement in force), so each is a round here.
+    is the same case, another model setting at the baseline's key, so each is a round here;
+    `KnobSweep` keeps a value only when it beats the measurement in force by more than the
+    noise (core/noise.py `beats`: one run each cannot tell a tie apart, while a partition
+    round's tie was run again before its means were compared).
     """
     def measured(t: Any) -> bool:
         return t.status == "ok" and t.samples_per_second is not None
@@ -54,8 +57,7 @@ def superseded(trials: list[Any]) -> set[int]:
         if not candidate:
             return
         refs = [float(t.samples_per_second) for t in reference + again if measured(t)]
-        if refs and all(measured(t) for t in candidate) and \
-                fmean(float(t.samples_per_second) for t in candidate) > fmean(refs):
+        if refs and all(measured(t) for t in candidate) and _kept(candidate, fmean(refs)):
             key, first = candidate[0].config.key(), candidate[0].number
             out.update(t.number for t in rows if t.number < first and t.config.key() == key)
             out.update(t.number for t in again)
@@ -79,6 +81,15 @@ def superseded(trials: list[Any]) -> set[int]:
             again.append(t)
     close()
     return out
+
+
+def _kept(candidate: list[Any], reference: float) -> bool:
+    """A round's decision: a knob value must beat the reference by more than the noise; a
+    partition round (its tie already run again) by its mean."""
+    mean = fmean(float(t.samples_per_second) for t in candidate)
+    if TrialKind.of(candidate[0].source).step is Step.KNOB:
+        return beats(mean, reference)
+    return mean > reference
 
 
 def best_of(trials: list[Any]) -> Any | None:

@@ -32,7 +32,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from autotune.core.noise import NOISE_MARGIN
+from autotune.core.noise import NOISE_MARGIN, tie_floor
 
 CONFIDENCE = 0.95
 DEFAULT_PRECISION = 0.03
@@ -115,12 +115,12 @@ def hopeless_step_seconds(incumbent_samples_per_second: float, noise: float, glo
     """The step time above which a trial cannot plausibly beat the incumbent.
 
     samples/s = global batch / step time, so a trial whose FASTEST plausible step (its
-    interval's low end) still gives less than incumbent x (1 - noise) samples/s is
+    interval's low end) still gives less than the incumbent's tie floor (core/noise.py) in samples/s is
     hopeless: its samples/s interval lies entirely below the incumbent by more than the
     noise margin."""
     if incumbent_samples_per_second <= 0 or not 0 <= noise < 1:
         raise ValueError("the incumbent's samples/s must be > 0 and the noise in [0, 1)")
-    return global_batch / (incumbent_samples_per_second * (1.0 - noise))
+    return global_batch / tie_floor(incumbent_samples_per_second, noise)
 
 
 @dataclass(kw_only=True, slots=True)

@@ -71,6 +71,8 @@ class Observation:
     """The partition the trial ran (known from its layer costs)."""
     seq_length: int | None = None
     """Tokens per sample (None: not a token model, or not known)."""
+    zero_stage: int | None = None
+    """The trial's `zero_optimization.stage` (None: not known; the bucket rule then lets it act)."""
 
     @property
     def ranks(self) -> int:
@@ -121,7 +123,7 @@ def observe_trial(trial_dir: Path, number: int, config: dict, checkpoint_interva
         step_seconds=float(config["step_seconds"]), samples_per_second=float(config["samples_per_second"]),
         device=device, stage=per_stage, layer_costs=lc,
         peak_memory_kind=lc.peak_memory_kind if lc else ("cuda_max_allocated" if device == "cuda" else "process_max_rss"),
-        parts=list(lc.parts) if lc else None, seq_length=_seq(c))
+        parts=list(lc.parts) if lc else None, seq_length=_seq(c), zero_stage=config.get("zero_stage"))
 
 
 def _seq(c: Columns) -> int | None:
@@ -197,7 +199,8 @@ def observe_study(root: str | Path) -> list[Observation]:
         config = {"micro_batch_size": row.config.micro_batch_size,
                   "gradient_accumulation_steps": row.config.gradient_accumulation_steps,
                   "reduce_bucket_size": _bucket(root / f"trial-{row.number:03d}", row.config.reduce_bucket_size),
-                  "step_seconds": s.get("step_seconds"), "samples_per_second": row.samples_per_second}
+                  "step_seconds": s.get("step_seconds"), "samples_per_second": row.samples_per_second,
+                  "zero_stage": _zero_stage(root / f"trial-{row.number:03d}")}
         if not config["step_seconds"] or not math.isfinite(config["step_seconds"]):
             continue
         obs = observe_trial(root / f"trial-{row.number:03d}", row.number, config,
@@ -207,16 +210,31 @@ def observe_study(root: str | Path) -> list[Observation]:
     return out
 
 
-def _bucket(trial_dir: Path, bucket: int | None) -> int | None:
-    """The bucket the trial's ds_config.json set (the trial's own value, else the config's)."""
-    if bucket is not None:
-        return bucket
+def _trial_zero_section(trial_dir: Path) -> dict | None:
+    """The `zero_optimization` section of the trial's ds_config.json (None: none, or unreadable)."""
     import json
 
     try:
         raw = json.loads((trial_dir / "ds_config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
-    zero = raw.get("zero_optimization")
+    zero = raw.get("zero_optimization") if isinstance(raw, dict) else None
+    return zero if isinstance(zero, dict) else ({} if isinstance(raw, dict) else None)
+
+
+def _zero_stage(trial_dir: Path) -> int | None:
+    """The ZeRO stage the trial ran (DeepSpeed's default 0 where its config sets none)."""
+    zero = _trial_zero_section(trial_dir)
+    if zero is None:
+        return None
+    v = zero.get("stage", 0)
+    return int(v) if isinstance(v, int) and not isinstance(v, bool) else None
+
+
+def _bucket(trial_dir: Path, bucket: int | None) -> int | None:
+    """The bucket the trial's ds_config.json set (the trial's own value, else the config's)."""
+    if bucket is not None:
+        return bucket
+    zero = _trial_zero_section(trial_dir)
     v = zero.get("reduce_bucket_size") if isinstance(zero, dict) else None
     return int(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None

@@ -9,7 +9,8 @@ Terms (each fitted from the observations, autotune/model/observations.py):
 - point-to-point: one transfer, latency plus a part that grows with the micro-batch
   (from the fastest send or receive each rank saw: a transfer that waited for nobody);
 - the data-parallel gradient reduction: a cost per bucket plus a cost per step, where the
-  buckets are the stage's parameters over reduce_bucket_size (ZeRO-1, dp > 1), scaled by
+  buckets are the stage's parameters over reduce_bucket_size (where it acts, by
+  core/dsconfig.py's rule: ZeRO-1, dp > 1; else DeepSpeed's fixed 5e8), scaled by
   the ring's 2(dp - 1)/dp to another dp;
 - the optimizer step: per stage, in proportion to the parameters it updates (ZeRO-1
   partitions them over dp);
@@ -38,7 +39,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from autotune.core.dsconfig import DEEPSPEED_DEFAULT_BUCKET
+from autotune.core.dsconfig import DEEPSPEED_DEFAULT_BUCKET, reduce_bucket_acts
 from autotune.core.errors import UserError
 from autotune.core.partition import in_flight
 from autotune.model.fits import GrowthFit, fit_growth, nonnegative_least_squares
@@ -65,6 +66,8 @@ class Layout:
     """Layer boundaries, stages + 1 of them; None: the calibrated partition (or, at another
     stage count, the one that balances the modelled work)."""
     checkpoint_interval: int = 0
+    zero_stage: int | None = None
+    """`zero_optimization.stage`; None: the calibrating study's."""
 
     @property
     def global_batch(self) -> int:
@@ -118,6 +121,8 @@ class Calibration:
     memory_fixed_bytes: list[float] | None
     memory_kind: str | None
     notes: list[str] = field(default_factory=list)
+    zero_stage: int | None = None
+    """The calibrating trials' ZeRO stage (None: not known)."""
 
     @property
     def num_layers(self) -> int | None:
@@ -173,7 +178,8 @@ def calibrate(observations: Sequence[Observation], *, cores: float | None = None
         if o.data_parallel_size < 2:
             continue
         for s in range(p):
-            rows.append([_buckets(_stage_parameters(layers, parts, s, p, model_parameters), o.reduce_bucket_size), 1.0])
+            bucket = bucket_in_effect(o.reduce_bucket_size, o.zero_stage, o.data_parallel_size)
+            rows.append([_buckets(_stage_parameters(layers, parts, s, p, model_parameters), bucket), 1.0])
             ys.append(o.stage[s].reduce_seconds * tail)
     buckets_seen = sorted({int(r[0]) for r in rows})
     if len(buckets_seen) > 1:
@@ -198,6 +204,7 @@ def calibrate(observations: Sequence[Observation], *, cores: float | None = None
                       reduce_per_bucket=float(per_bucket), reduce_per_step=float(per_step),
                       buckets_measured=buckets_seen, model_parameters=model_parameters,
                       optimizer_per_parameter=per_param, optimizer_seconds=optimizer, data_per_micro=data,
+                      zero_stage=obs[0].zero_stage,
                       overhead_per_step=0.0, overhead_per_micro=0.0, memory_fixed_bytes=None,
                       memory_kind=obs[0].peak_memory_kind, notes=notes)
     o0, o1 = _fit_engine(cal, obs, tail)
@@ -253,7 +260,8 @@ def layout_of(o: Observation) -> Layout:
     """The layout a trial ran."""
     return Layout(micro_batch_size=o.micro_batch_size, gradient_accumulation_steps=o.gradient_accumulation_steps,
                   stages=o.stages, data_parallel_size=o.data_parallel_size, reduce_bucket_size=o.reduce_bucket_size,
-                  parts=tuple(o.parts) if o.parts else None, checkpoint_interval=o.checkpoint_interval)
+                  parts=tuple(o.parts) if o.parts else None, checkpoint_interval=o.checkpoint_interval,
+                  zero_stage=o.zero_stage)
 
 
 def _layer_model(obs: Sequence[Observation]) -> LayerModel:
@@ -307,6 +315,20 @@ def _stage_parameters(layers: LayerModel | None, parts: Sequence[int] | None, s:
     if layers is None or parts is None or len(parts) != p + 1:
         return model_parameters / p if model_parameters else math.nan
     return float(sum(layers.parameters[parts[s]:parts[s + 1]]))
+
+
+def bucket_in_effect(bucket: int | None, zero_stage: int | None, data_parallel_size: int) -> int | None:
+    """The reduce_bucket_size the gradient reduction runs in: the config's where the bucket
+    acts (core/dsconfig.py's rule: ZeRO-1, dp > 1), else None, DeepSpeed's fixed 5e8 elements.
+    `zero_stage` None (not known): the config's."""
+    if zero_stage is None or reduce_bucket_acts(zero_stage, data_parallel_size):
+        return bucket
+    return None
+
+
+def _layout_bucket(cal: Calibration, layout: Layout) -> int | None:
+    zero = layout.zero_stage if layout.zero_stage is not None else cal.zero_stage
+    return bucket_in_effect(layout.reduce_bucket_size, zero, layout.data_parallel_size)
 
 
 def _buckets(parameters: float, bucket: int | None) -> float:
@@ -437,7 +459,7 @@ def _step(cal: Calibration, layout: Layout) -> Prediction:
                                  ("optimizer", True), ("engine", True)) if ok]
     if dp > 1 and cal.buckets_measured and (cal.layers is not None or cal.model_parameters):
         counts = [int(_buckets(_stage_parameters(cal.layers, parts, s, p, cal.model_parameters),
-                               layout.reduce_bucket_size)) for s in range(p)]
+                               _layout_bucket(cal, layout))) for s in range(p)]
         if max(counts) > max(cal.buckets_measured) or min(counts) < min(cal.buckets_measured):
             extrapolated.append(f"reduction in {max(counts)} bucket(s) per stage (measured "
                                 f"{', '.join(map(str, cal.buckets_measured))})")
@@ -454,7 +476,7 @@ def _reduce(cal: Calibration, parameters: float, layout: Layout) -> float:
         return 0.0
     ring = (2 * (dp - 1) / dp) / (2 * (cal.data_parallel_size - 1) / cal.data_parallel_size) \
         if cal.data_parallel_size > 1 else 1.0
-    return (cal.reduce_per_bucket * _buckets(parameters, layout.reduce_bucket_size) + cal.reduce_per_step) * ring
+    return (cal.reduce_per_bucket * _buckets(parameters, _layout_bucket(cal, layout)) + cal.reduce_per_step) * ring
 
 
 def _optimizer(cal: Calibration, parts: Sequence[int] | None, s: int, p: int, dp: int) -> float:

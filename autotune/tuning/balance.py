@@ -58,7 +58,7 @@ from typing import Any
 from autotune.core.errors import UserError
 from autotune.core.fileio import write_atomic
 from autotune.core.measurements import COSTS, RECHECK, REFERENCE, SOURCE
-from autotune.core.noise import NOISE_MARGIN
+from autotune.core.noise import NOISE_MARGIN, ties
 from autotune.core.partition import (
     bounding_layer,
     no_gain_text,
@@ -275,7 +275,7 @@ class StageBalancer:
     def _close(self, sps: float) -> bool:
         """Is the candidate's first run within the noise margin of the reference?"""
         ref = fmean(self.reference) if self.reference else 0.0
-        return ref > 0 and abs(sps / ref - 1.0) <= self.noise
+        return ref > 0 and ties(sps, ref, self.noise)
 
     # -- the decision ------------------------------------------------------------------------
     def _plan(self, number: int, config: TrialConfig, summary: Any) -> None:

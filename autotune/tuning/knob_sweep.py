@@ -4,7 +4,8 @@ of a model setting once, at the baseline's micro-batch and GAS, one knob after t
 Model settings change how the model is built, not the batch layout, so they are swept once
 around the search rather than searched with it: each candidate value is one trial; the fastest
 value is kept for every later trial when it beats the measurement in force (the baseline's, or
-an earlier knob's kept value), and the Bayesian search spends its trials on micro-batch, GAS
+an earlier knob's kept value) by more than the noise between launches (a tie keeps the value in
+force: one trial each cannot tell them apart), and the Bayesian search spends its trials on micro-batch, GAS
 and bucket. The sweep is written to `STUDY/knobs.json` and rebuilt from it on resume.
 
 Whose knobs: the user's own script's (`--knob`, autotune/usercmd/knobs.py maps them to its
@@ -21,6 +22,7 @@ from pathlib import Path
 
 from autotune.core.fileio import write_atomic
 from autotune.core.knob import Knob
+from autotune.core.noise import NOISE_MARGIN, beats
 from autotune.core.trial_kind import BASELINE, Step, TrialKind
 from autotune.core.trial_kind import KNOB_PREFIX as SOURCE_PREFIX
 from autotune.study.store import TrialRow
@@ -112,15 +114,19 @@ class KnobSweep:
                         reason=f"knob {k.name}: {' '.join(k.tokens(v))} at the baseline's micro-batch and GAS"))
 
     def _decide(self, name: str) -> None:
-        """Keep the fastest value if it beats the measurement in force (the rule `superseded` replays)."""
+        """Keep the fastest value if it beats the measurement in force by more than the noise
+        (core/noise.py `beats`; a tie keeps the value in force: the rule `superseded` replays)."""
         base = self.current_sps or 0.0
         measured = {v: s for v, s in self.results[name].items() if s is not None}
         best = max(measured, key=lambda v: measured[v]) if measured else None
-        if best is not None and measured[best] > base:
+        if best is not None and beats(measured[best], base):
             self.kept[name] = best
             self.current_sps = measured[best]
             self.note(f"      knob {name}: {best} kept for the later trials ({measured[best]:.1f} against "
                       f"{base:.1f} samples/s with the value before it)")
+        elif best is not None and measured[best] > base:
+            self.note(f"      knob {name}: {best} read {measured[best]:.1f} against {base:.1f} samples/s, within the "
+                      f"{NOISE_MARGIN:.0%} noise between launches: a tie, so the value in force is kept")
         else:
             self.note(f"      knob {name}: no value beat the one in force ({base:.1f} samples/s); kept as it was")
 

@@ -44,7 +44,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 
-from autotune.core.noise import NOISE_MARGIN
+from autotune.core.noise import NOISE_MARGIN, ties
 from autotune.core.space import SearchSpace, TrialConfig
 from autotune.core.trial_kind import BAYES, CLIMB, CONFIRM, EXPLORE, RECHECK, REMEASURE
 from autotune.core.trial_result import TrialResult
@@ -320,7 +320,7 @@ class HybridProposer:
         if len(ranked) < 2:
             return None
         (best, v1, n1), (_, v2, _) = ranked[0], ranked[1]
-        if n1 > 1 or v2 < v1 * (1 - self.noise):
+        if n1 > 1 or not ties(v1, v2, self.noise):
             return None
         return Proposal(config=best, source=REMEASURE,
                         reason=f"best {v1:.3g} samples/s within {self.noise:.0%} of the runner-up {v2:.3g}: "

@@ -21,6 +21,7 @@ import math
 import statistics
 from pathlib import Path
 
+from autotune.core.dsconfig import reduce_bucket_acts
 from autotune.core.noise import NOISE_MARGIN
 from autotune.core.space import SearchSpace, TrialConfig
 from autotune.core.trial_result import TrialResult
@@ -161,7 +162,8 @@ class ModelGuidedProposer:
         except AutotuneError:
             return None
         cal = model.calibration
-        self._buckets_measured = cal.buckets_measured if cal.data_parallel_size > 1 else None
+        acts = cal.zero_stage is None or reduce_bucket_acts(cal.zero_stage, cal.data_parallel_size)
+        self._buckets_measured = cal.buckets_measured if acts else None
         if len(cal.micro_batches_measured) < 2:
             return None
         bucket_of_best = max(model.observations, key=lambda o: o.samples_per_second).reduce_bucket_size
