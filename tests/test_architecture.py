@@ -240,3 +240,21 @@ def test_the_tuning_run_and_the_engines_do_not_reach_up():
     up.update({m: sorted(i for i in _imports(m, module_level_only=False) if i.startswith("autotune.report_html"))
                for m in MODULES if m.startswith(("autotune.tuning", "autotune.trials", "autotune.engines"))})
     assert {m: v for m, v in up.items() if v} == {}
+
+
+def test_deepspeeds_engine_internals_are_read_in_the_engine_face_only():
+    """The rank side reads a PipelineEngine's `_INSTRUCTION_MAP` and `grid` in
+    autotune/rank/engine_face.py and nowhere else (the torch engine keeps its own `grid`)."""
+    readers = {"_INSTRUCTION_MAP": {"autotune.rank.engine_face"},
+               "grid": {"autotune.rank.engine_face", "autotune.rank.torch_pp.engine"}}
+    found: dict[str, set[str]] = defaultdict(set)
+    for name, tree in TREES.items():
+        if not name.startswith("autotune.rank"):
+            continue
+        for node in ast.walk(tree):
+            attr = node.attr if isinstance(node, ast.Attribute) else (
+                node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else None)
+            if attr in readers:
+                found[attr].add(name)
+    assert {k: v - readers[k] for k, v in found.items() if v - readers[k]} == {}
+    assert found["_INSTRUCTION_MAP"] == {"autotune.rank.engine_face"}  # the check sees the one reader

@@ -13,6 +13,7 @@ from autotune.core.errors import UserError
 from autotune.core.options import RunOptions, WorkloadOptions
 from autotune.core.space import TrialConfig
 from autotune.engines.registry import DEFAULT, ENGINES, engine_named
+from autotune.rank.engine_face import DEEPSPEED_CATEGORY
 from autotune.trials.builtin import BuiltinRunner, WarmRunner, builtin_runner
 from autotune.trials.contract import TrialRequest
 from autotune.trials.launcher import DEEPSPEED_STYLE, TORCHRUN_STYLE, LaunchSpec, build_command
@@ -144,7 +145,15 @@ def test_one_ds_config_for_every_runner_and_what_the_rank_reads_of_deepspeeds_en
         "print('pipeline', layout_of(pipe))\n"
         "lin = torch.nn.Linear(4, 4)\n"
         "plain, *_ = deepspeed.initialize(model=lin, config=json.load(open(sys.argv[1])), model_parameters=lin.parameters())\n"
-        "print('plain', layout_of(plain))\n")
+        "print('plain', layout_of(plain))\n"
+        "from autotune.rank.engine_face import instructions_of\n"
+        "seen, none = [], []\n"
+        "undo = instructions_of(pipe).wrap(lambda i, fn: seen.append(i) or fn)\n"
+        "print('wrapped', ','.join(sorted(f'{i.name}={i.category}' for i in seen)), '_INSTRUCTION_MAP' in vars(pipe))\n"
+        "undo()\n"
+        "print('undone', '_INSTRUCTION_MAP' in vars(pipe))\n"
+        "instructions_of(plain).wrap(lambda i, fn: none.append(i) or fn)\n"
+        "print('plainwrapped', len(none))\n")
     from autotune.trials.launcher import free_port, remove_shm_buffers
 
     port = free_port()
@@ -160,7 +169,22 @@ def test_one_ds_config_for_every_runner_and_what_the_rank_reads_of_deepspeeds_en
     # the rank side's one reader of an engine's layout (autotune/rank/engine_face.py), on both of
     # DeepSpeed's engines: a plain DeepSpeedEngine (ZeRO, HF Trainer, Lightning) has no stages
     lines = {line.split(" ", 1)[0]: line for line in out.stdout.splitlines()}
-    assert "micro_batch_size=2, accumulation_steps=4, data_parallel_size=1, topology=Topology(stages=1, stage=0)" \
-        in lines["pipeline"], out.stdout
-    assert "micro_batch_size=2, accumulation_steps=4, data_parallel_size=1, topology=None" in lines["plain"], out.stdout
+    same = "micro_batch_size=2, accumulation_steps=4, data_parallel_size=1, data_parallel_rank=0"
+    assert f"{same}, topology=Topology(stages=1, stage=0)" in lines["pipeline"], out.stdout
+    assert f"{same}, topology=None" in lines["plain"], out.stdout
+    # what the probe times, read of DeepSpeed's instruction map there and nowhere else: every
+    # instruction in its category, wrapped on the instance (the class's map untouched) and undone
+    wrapped = dict(pair.split("=") for pair in lines["wrapped"].split()[1].split(","))
+    assert wrapped == DEEPSPEED_CATEGORY and lines["wrapped"].endswith("True"), lines["wrapped"]
+    assert lines["undone"] == "undone False" and lines["plainwrapped"] == "plainwrapped 0"
+
+
+def test_the_torch_engine_declares_its_instructions_in_the_probes_categories():
+    """No DeepSpeed classes impersonated: the torch engine names its instructions and their
+    categories, which agree with DeepSpeed's where the names are the same (so a CSV or a trace
+    reads the same whichever engine ran)."""
+    from autotune.rank.torch_pp.engine import INSTRUCTION_CATEGORY
+
+    assert INSTRUCTION_CATEGORY.items() <= DEEPSPEED_CATEGORY.items()
+    assert {"ForwardPass", "BackwardPass", "OptimizerStep", "RecvActivation"} <= set(INSTRUCTION_CATEGORY)
 

@@ -7,7 +7,8 @@ import time
 
 import pytest
 
-from autotune.rank.instrument import INSTRUCTION_CATEGORY, P2P_CATEGORIES
+from autotune.rank.engine_face import DEEPSPEED_CATEGORY as INSTRUCTION_CATEGORY
+from autotune.rank.instrument import P2P_CATEGORIES
 from autotune.rank.p2p_split import P2P_INSTRUCTIONS, TransferSplit, p2p_category
 from autotune.rank.timing import HostTimer, WallAndCpuTimer
 

@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from autotune.rank.instrument import INSTRUCTION_CATEGORY
+from autotune.rank.engine_face import DEEPSPEED_CATEGORY as INSTRUCTION_CATEGORY
 from autotune.rank.timing import CudaEventTimer, HostTimer, make_timer
 
 

@@ -8,14 +8,20 @@ otherwise reads DeepSpeed's engines, here and nowhere else: a `PipelineEngine`'s
 `num_stages` and `stage_id`, or a plain `DeepSpeedEngine`'s `dp_world_size` (no stages: its
 topology is None, and a pipeline-only signal such as the bubble is absent for it, never 0).
 
-What the probe times (the instructions and their categories) is still DeepSpeed's
-`_INSTRUCTION_MAP` (autotune/rank/instrument.py), which the torch engine offers too.
+What the probe times is declared here too: an engine's instructions, each with its name and the
+probe's category, as an `InstructionTable` the probe, the layer-cost hooks, the trace labels and
+the built-in workload's slowdown wrap (`instructions_of`). A `PipelineEngine`'s table is its
+`_INSTRUCTION_MAP`, read here and nowhere else; the torch engine declares its own
+(`autotune_instructions()`); a plain DeepSpeedEngine has no pipeline instructions.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Protocol, cast
+from typing import Generic, Protocol, TypeVar, cast
+
+from autotune.rank.p2p_split import p2p_category
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -36,6 +42,8 @@ class EngineLayout:
     """Micro-batches per optimizer step (DeepSpeed's gradient_accumulation_steps, a pipeline's
     micro-batch count)."""
     data_parallel_size: int
+    data_parallel_rank: int
+    """This rank's replica (its data shard's seed)."""
     topology: Topology | None
     """None: the engine has no stages (a plain DeepSpeedEngine)."""
 
@@ -71,6 +79,8 @@ def layout_of(engine: object) -> EngineLayout:
 class _Grid(Protocol):
     data_parallel_size: int
 
+    def get_data_parallel_rank(self) -> int: ...
+
 
 class _DeepSpeedEngine(Protocol):
     """What `layout_of` reads of DeepSpeed's engines (deepspeed/runtime/engine.py)."""
@@ -98,7 +108,108 @@ def _deepspeed_layout(engine: object) -> EngineLayout:
         pipe = cast(_PipelineEngine, engine)
         return EngineLayout(rank=rank, micro_batch_size=micro, accumulation_steps=gas,
                             data_parallel_size=int(pipe.grid.data_parallel_size),
+                            data_parallel_rank=int(pipe.grid.get_data_parallel_rank()),
                             topology=Topology(stages=int(pipe.num_stages), stage=int(pipe.stage_id)))
     dp = getattr(engine, "dp_world_size", 1)  # a plain DeepSpeedEngine's data-parallel world
+    mpu = getattr(engine, "mpu", None)  # a model-parallel unit the script passed, else every rank a replica
+    dp_rank = mpu.get_data_parallel_rank() if mpu is not None else rank
     return EngineLayout(rank=rank, micro_batch_size=micro, accumulation_steps=gas,
-                        data_parallel_size=int(dp), topology=None)
+                        data_parallel_size=int(dp), data_parallel_rank=int(dp_rank), topology=None)
+
+
+# -- what the probe times ---------------------------------------------------------------------
+COMPUTE, OPTIMIZER, COMM, DATA = "compute", "optimizer", "comm", "data"
+"""The probe's categories; a point-to-point instruction's is `p2p_category(name)` (transfer
+plus wait, split by autotune/rank/p2p_split.py)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Instruction:
+    name: str
+    """As a trace labels it (`deepspeed:<name>`, autotune/core/trace_labels.py) and the layer-cost
+    hooks and the slowdown find it: ForwardPass, BackwardPass, ..."""
+    category: str | None
+    """The probe's category; None: not timed."""
+
+
+class InstructionFn(Protocol):
+    """An instruction's function, as the engine calls it."""
+
+    def __call__(self, engine: object, /, **kwargs: object) -> object: ...
+
+
+Wrapper = Callable[[Instruction, InstructionFn], InstructionFn]
+"""Given an instruction and its function, the function to run in its place (or the same one)."""
+
+
+class InstructionTable(Protocol):
+    def wrap(self, wrapper: Wrapper) -> Callable[[], None]:
+        """Run `wrapper(instruction, fn)` in place of every instruction's function; the undo
+        returned gives back the table as it was before (an earlier wrap stays underneath)."""
+        ...
+
+
+class DeclaresInstructions(Protocol):
+    """An engine that states its own instructions rather than be read as a PipelineEngine."""
+
+    def autotune_instructions(self) -> InstructionTable: ...
+
+
+K = TypeVar("K")
+
+
+class MappedInstructions(Generic[K]):
+    """A table kept as a dict attribute of the engine, keyed by what `describe` names. A wrap
+    sets an instance attribute, so no class (DeepSpeed's included) is patched."""
+
+    def __init__(self, holder: object, attribute: str, describe: Callable[[K], Instruction]) -> None:
+        self.holder, self.attribute, self.describe = holder, attribute, describe
+
+    def wrap(self, wrapper: Wrapper) -> Callable[[], None]:
+        previous = self.holder.__dict__.get(self.attribute)
+        source: Mapping[K, InstructionFn] = getattr(self.holder, self.attribute)
+        setattr(self.holder, self.attribute, {key: wrapper(self.describe(key), fn) for key, fn in source.items()})
+
+        def undo() -> None:
+            if previous is None:
+                self.holder.__dict__.pop(self.attribute, None)  # the class's map again
+            else:
+                setattr(self.holder, self.attribute, previous)
+        return undo
+
+
+class _NoInstructions:
+    """An engine without pipeline instructions (a plain DeepSpeedEngine): nothing to wrap."""
+
+    def wrap(self, wrapper: Wrapper) -> Callable[[], None]:
+        return lambda: None
+
+
+DEEPSPEED_CATEGORY: dict[str, str] = {
+    "ForwardPass": COMPUTE,
+    "BackwardPass": COMPUTE,
+    "OptimizerStep": OPTIMIZER,  # compute, kept apart: it runs outside the pipeline schedule
+    "SendActivation": p2p_category("SendActivation"),
+    "SendGrad": p2p_category("SendGrad"),
+    "ReduceGrads": COMM,
+    "ReduceTiedGrads": COMM,
+    "RecvActivation": p2p_category("RecvActivation"),
+    "RecvGrad": p2p_category("RecvGrad"),
+    "LoadMicroBatch": DATA,
+}
+"""A PipelineEngine's instruction class name -> the probe's category (deepspeed/runtime/pipe/schedule.py).
+Names, not classes, so the rank side imports without DeepSpeed."""
+
+
+def _deepspeed_instruction(cls: type) -> Instruction:
+    return Instruction(cls.__name__, DEEPSPEED_CATEGORY.get(cls.__name__))
+
+
+def instructions_of(engine: object) -> InstructionTable:
+    """The engine's instructions, to wrap."""
+    own = getattr(engine, "autotune_instructions", None)
+    if own is not None:
+        return cast(DeclaresInstructions, engine).autotune_instructions()
+    if hasattr(engine, "_INSTRUCTION_MAP"):  # a PipelineEngine: its class map, shadowed per instance
+        return MappedInstructions(engine, "_INSTRUCTION_MAP", _deepspeed_instruction)
+    return _NoInstructions()

@@ -186,7 +186,7 @@ class _RankState:
         self.write_marker("engine", {
             "engine": type(engine).__name__, "pipeline": layout.topology is not None, "stages": layout.stages,
             "stage": layout.stage, "dp": layout.data_parallel_size,
-            "dp_rank": int(engine.grid.get_data_parallel_rank()),
+            "dp_rank": layout.data_parallel_rank,
             "micro_batch_size": layout.micro_batch_size,
             "gradient_accumulation_steps": layout.accumulation_steps,
             "parameters": int(sum(p.numel() for p in engine.module.parameters())),

@@ -1,9 +1,9 @@
-"""Per-rank instrumentation of a DeepSpeed PipelineEngine.
+"""Per-rank instrumentation of a pipeline engine (DeepSpeed's PipelineEngine, the torch engine).
 
-Every pipeline instruction the engine executes is timed (the engine looks
-methods up in `_INSTRUCTION_MAP`; we shadow that map on the instance, so no
-DeepSpeed code is patched globally), and every `train_batch()` becomes one
-StepRecord handed to each sink (CSV file, Prometheus endpoint).
+Every instruction the engine executes is timed in its category (the engine's instruction
+table, autotune/rank/engine_face.py: for DeepSpeed an instance map over the class's
+`_INSTRUCTION_MAP`, so no DeepSpeed code is patched globally), and every `train_batch()`
+becomes one StepRecord handed to each sink (CSV file, Prometheus endpoint).
 
 DeepSpeed's `wall_clock_breakdown` is not used: it crashes pipeline runs
 (deepspeed-facts.md).
@@ -26,26 +26,18 @@ from typing import Any, Protocol
 from autotune.core.dsconfig import reduce_bucket_acts
 from autotune.core.schema import StepRecord
 from autotune.core.summary import busy_fraction
-from autotune.rank.engine_face import layout_of
+from autotune.rank.engine_face import (
+    COMM,
+    COMPUTE,
+    DATA,
+    OPTIMIZER,
+    Instruction,
+    instructions_of,
+    layout_of,
+)
 from autotune.rank.p2p_split import P2P_INSTRUCTIONS, TransferSplit, p2p_category
 from autotune.rank.timing import CPU_SUFFIX, IntervalTimer, make_timer
 
-COMPUTE, OPTIMIZER, COMM, DATA = "compute", "optimizer", "comm", "data"
-
-# Instruction class name -> category. Names, not classes, so this module
-# imports without DeepSpeed.
-INSTRUCTION_CATEGORY: dict[str, str] = {
-    "ForwardPass": COMPUTE,
-    "BackwardPass": COMPUTE,
-    "OptimizerStep": OPTIMIZER,  # compute, kept apart: it runs outside the pipeline schedule
-    "SendActivation": p2p_category("SendActivation"),  # transfer + wait: autotune/rank/p2p_split.py
-    "SendGrad": p2p_category("SendGrad"),
-    "ReduceGrads": COMM,
-    "ReduceTiedGrads": COMM,
-    "RecvActivation": p2p_category("RecvActivation"),
-    "RecvGrad": p2p_category("RecvGrad"),
-    "LoadMicroBatch": DATA,
-}
 P2P_CATEGORIES = frozenset(p2p_category(name) for name in P2P_INSTRUCTIONS)
 
 
@@ -82,24 +74,26 @@ class PipelineProbe:
         self.step = 0
         self.host = socket.gethostname()
         self._installed = False
-        self._previous_map: dict | None = None
+        self._undo: Callable[[], None] | None = None
 
     # -- installation -------------------------------------------------------
     def install(self) -> PipelineProbe:
         if self._installed:
             return self
         eng = self.engine
-        timed = {}
-        # An instance map another tool already installed is kept underneath ours.
-        self._previous_map = eng.__dict__.get("_INSTRUCTION_MAP")
-        for instr_cls, fn in eng._INSTRUCTION_MAP.items():
-            category = INSTRUCTION_CATEGORY.get(instr_cls.__name__)
-            timed[instr_cls] = fn if category is None else self._wrap(fn, category)
-            if category == DATA and self.seq_length is None:  # a user's script: its input tells
+
+        def timed(instruction: Instruction, fn: Callable) -> Callable:
+            if instruction.category is None:
+                return fn
+            out = self._wrap(fn, instruction.category)
+            if instruction.category == DATA and self.seq_length is None:  # a user's script: its input tells
                 from autotune.rank.token_input import measure_seq_length
 
-                timed[instr_cls] = measure_seq_length(timed[instr_cls], eng, self._found_seq_length)
-        eng._INSTRUCTION_MAP = timed  # instance attribute shadows the class map
+                out = measure_seq_length(out, eng, self._found_seq_length)
+            return out
+
+        # a wrap another tool already installed (the trace labels) stays underneath ours
+        self._undo = instructions_of(eng).wrap(timed)
         inner = eng.train_batch
 
         def train_batch(*args: Any, **kwargs: Any) -> Any:
@@ -114,16 +108,14 @@ class PipelineProbe:
         self.seq_length = length
 
     def uninstall(self) -> None:
-        """Give the engine back its own instruction map and train_batch (overhead benchmark)."""
+        """Give the engine back its own instructions and train_batch (overhead benchmark)."""
         if not self._installed:
             return
-        if self._previous_map is None:
-            del self.engine._INSTRUCTION_MAP
-        else:
-            self.engine._INSTRUCTION_MAP = self._previous_map
+        if self._undo is not None:
+            self._undo()
         self.engine.train_batch = self._inner_train_batch
         self._installed = False
-        self._previous_map = None
+        self._undo = None
 
     def _wrap(self, fn: Callable, category: str) -> Callable:
         timer = self.timer

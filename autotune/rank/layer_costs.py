@@ -33,13 +33,13 @@ import math
 import resource
 import statistics
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from autotune.core.fileio import write_atomic
-from autotune.rank.engine_face import layout_of
+from autotune.rank.engine_face import Instruction, instructions_of, layout_of
 from autotune.rank.timing import IntervalTimer, make_timer, work_view
 
 FILE_PATTERN = "layer-costs-rank{rank}.csv"
@@ -71,7 +71,7 @@ class LayerCostSink:
         self._open: tuple[Any, str] | None = None  # the backward interval running now
         self._param_ptrs: set[int] = set()
         self._closed = False
-        self._previous_map: dict | None = None
+        self._undo: Callable[[], None] | None = None
         self._install()
 
     # -- hooks ------------------------------------------------------------------
@@ -104,14 +104,12 @@ class LayerCostSink:
 
             self._handles.append(layer.register_forward_pre_hook(pre))
             self._handles.append(layer.register_forward_hook(post))
-        self._previous_map = self.engine.__dict__.get("_INSTRUCTION_MAP")
-        instructions = dict(self.engine._INSTRUCTION_MAP)
-        for cls, fn in list(instructions.items()):
-            if cls.__name__ == _FWD_PASS:
-                instructions[cls] = self._timed_forward(fn)
-            elif cls.__name__ == _BWD_PASS:
-                instructions[cls] = self._timed_backward(fn)
-        self.engine._INSTRUCTION_MAP = instructions  # instance map, over the probe's timed one
+        def timed(instruction: Instruction, fn: Any) -> Any:
+            if instruction.name == _FWD_PASS:
+                return self._timed_forward(fn)
+            return self._timed_backward(fn) if instruction.name == _BWD_PASS else fn
+
+        self._undo = instructions_of(self.engine).wrap(timed)  # over the probe's timed functions
 
     def _pack_counter(self, index: int):
         def pack(t: Any) -> Any:
@@ -158,10 +156,9 @@ class LayerCostSink:
         for h in self._handles:
             h.remove()
         self._handles = []
-        if self._previous_map is None:
-            self.engine.__dict__.pop("_INSTRUCTION_MAP", None)
-        else:
-            self.engine._INSTRUCTION_MAP = self._previous_map
+        if self._undo is not None:
+            self._undo()
+            self._undo = None
         self.timer.collect()
 
     # -- sink -------------------------------------------------------------------

@@ -24,6 +24,7 @@ from typing import Any
 
 from autotune.core.rank_plan import RankPlan
 from autotune.core.trace_labels import INSTRUCTION_PREFIX
+from autotune.rank.engine_face import Instruction, instructions_of
 
 TRACES_DIR = "traces"
 
@@ -47,10 +48,9 @@ class InstructionLabels:
         from torch.profiler import record_function
 
         self.on = True
-        current = engine.__dict__.get("_INSTRUCTION_MAP")
-        source = current if current is not None else engine._INSTRUCTION_MAP
+        def labelled(instruction: Instruction, fn: Any) -> Any:
+            name = INSTRUCTION_PREFIX + instruction.name
 
-        def labelled(fn: Any, name: str) -> Any:
             def run(engine_self: Any, **kwargs: Any) -> Any:
                 if not self.on:
                     return fn(engine_self, **kwargs)
@@ -58,8 +58,7 @@ class InstructionLabels:
                     return fn(engine_self, **kwargs)
             return run
 
-        engine._INSTRUCTION_MAP = {cls: labelled(fn, INSTRUCTION_PREFIX + cls.__name__)
-                                   for cls, fn in source.items()}
+        instructions_of(engine).wrap(labelled)
 
 
 def record_trace(engine: Any, plan: RankPlan, rank: int, labels: InstructionLabels | None = None) -> None:

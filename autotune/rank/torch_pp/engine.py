@@ -2,14 +2,13 @@
 PipelineEngine that the rank side already reads (issue 28).
 
 The probe (autotune/rank/instrument.py), the step budget, the watchdog and the trial loop
-(autotune/rank/workload/train.py `_train`) read a DeepSpeed engine: its instruction map, its
-`train_batch`, its layout (`train_micro_batch_size_per_gpu`, `gradient_accumulation_steps`,
-`num_stages`, `grid.data_parallel_size`, `stage_id`, `global_rank`). `TorchPipeEngine` offers
-that face over `PipelineStage`s and a `PipelineSchedule*`, so the same probe writes the same CSV
-columns, and nothing downstream (the summary, the rules, `advise`, the report, Prometheus)
-knows which engine ran.
+(autotune/rank/workload/train.py `_train`) read the engine face (autotune/rank/engine_face.py):
+its instructions with their categories, its layout, and its `train_batch`. `TorchPipeEngine`
+declares both over `PipelineStage`s and a `PipelineSchedule*` (`autotune_instructions`,
+`autotune_layout`), so the same probe writes the same CSV columns, and nothing downstream (the
+summary, the rules, `advise`, the report, Prometheus) knows which engine ran.
 
-What runs under each of DeepSpeed's instruction names (the probe's categories):
+What runs under each instruction (named as DeepSpeed's, so a trace's labels read the same):
 - ForwardPass: each stage's `forward_one_chunk`, and the loss (`_maybe_compute_loss`: DeepSpeed
   computes it inside its last stage's forward);
 - BackwardPass: `backward_one_chunk` and, in the zero-bubble schedules, `backward_weight_one_chunk`;
@@ -37,13 +36,23 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from autotune.core import pp_schedules
-from autotune.rank.engine_face import EngineLayout, Topology
+from autotune.rank.engine_face import (
+    COMM,
+    COMPUTE,
+    DATA,
+    OPTIMIZER,
+    EngineLayout,
+    Instruction,
+    InstructionTable,
+    MappedInstructions,
+    Topology,
+)
+from autotune.rank.p2p_split import P2P_INSTRUCTIONS, p2p_category
 
-INSTRUCTIONS = ("ForwardPass", "BackwardPass", "OptimizerStep", "LoadMicroBatch", "ReduceGrads",
-                "SendActivation", "SendGrad", "RecvActivation", "RecvGrad")
-INSTRUCTION = {name: type(name, (), {"__doc__": f"stands for DeepSpeed's {name} in the probe's categories"})
-               for name in INSTRUCTIONS}
-"""One class per instruction, named as DeepSpeed's: the probe categorizes an instruction by its class name."""
+INSTRUCTION_CATEGORY: dict[str, str] = {
+    "ForwardPass": COMPUTE, "BackwardPass": COMPUTE, "OptimizerStep": OPTIMIZER, "LoadMicroBatch": DATA,
+    "ReduceGrads": COMM, **{name: p2p_category(name) for name in P2P_INSTRUCTIONS}}
+"""The torch engine's instructions and their categories in the probe (see the module doc)."""
 
 WAIT_KIND = {"fwd_recv": "RecvActivation", "bwd_recv": "RecvGrad", "fwd_send": "SendActivation",
              "bwd_send": "SendGrad", "fwd_send_bwd_recv": "RecvGrad", "bwd_send_fwd_recv": "RecvActivation"}
@@ -112,7 +121,7 @@ class TorchPipeEngine:
         self.first = any(s.is_first for s in stages)
         self.last = any(s.is_last for s in stages)
         self.skipped_steps = 0
-        self._INSTRUCTION_MAP: dict[type, Callable[..., Any]] = {cls: _run_call for cls in INSTRUCTION.values()}
+        self._instructions: dict[str, Callable[..., Any]] = {name: _run_call for name in INSTRUCTION_CATEGORY}
         for stage in stages:
             self._hook(stage, "forward_one_chunk", "ForwardPass")
             self._hook(stage, "backward_one_chunk", "BackwardPass")
@@ -123,11 +132,15 @@ class TorchPipeEngine:
         self._hook(schedule, "_maybe_compute_loss", "ForwardPass")
         install_p2p_timing(self)
 
-    # -- DeepSpeed's engine face ---------------------------------------------------------------
+    # -- the engine face -----------------------------------------------------------------------
+    def autotune_instructions(self) -> InstructionTable:
+        """The instructions the probe times (autotune/rank/engine_face.py), by name."""
+        return MappedInstructions(self, "_instructions", lambda name: Instruction(name, INSTRUCTION_CATEGORY[name]))
+
     def autotune_layout(self) -> EngineLayout:
         """The engine face's layout (autotune/rank/engine_face.py), stated rather than read as DeepSpeed's."""
         return EngineLayout(rank=self.global_rank, micro_batch_size=self.micro, accumulation_steps=self.m,
-                            data_parallel_size=self.grid.data_parallel_size,
+                            data_parallel_size=self.grid.data_parallel_size, data_parallel_rank=self.grid.replica,
                             topology=Topology(stages=self.num_stages, stage=self.stage_id))
 
     def train_micro_batch_size_per_gpu(self) -> int:
@@ -157,7 +170,7 @@ class TorchPipeEngine:
     # -- the instructions --------------------------------------------------------------------------
     def run(self, instruction: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Call `fn` as the instruction `instruction`: through the map, which the probe times."""
-        return self._INSTRUCTION_MAP[INSTRUCTION[instruction]](self, call=lambda: fn(*args, **kwargs))
+        return self._instructions[instruction](self, call=lambda: fn(*args, **kwargs))
 
     def _hook(self, owner: Any, method: str, instruction: str) -> None:
         inner = getattr(owner, method)

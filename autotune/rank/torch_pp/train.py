@@ -12,6 +12,7 @@ import json
 import os
 import sys
 
+from autotune.rank.engine_face import layout_of
 from autotune.rank.workload.train import EXIT_OOM, TrialRun, parse_args, startup_fault
 
 
@@ -67,7 +68,7 @@ def run_trial(spec, *, watchdog=None) -> TrialRun:
     wiring = wire(engine, spec.plan, seq_length=preset.seq_length)
     tokens = (load_token_file(wl.tokens, preset.vocab_size) if wl.tokens
               else synthetic_tokens(preset.vocab_size, 200_000, seed=wl.seed))
-    data = batches(tokens, micro_batch=micro, seq=preset.seq_length, seed=wl.seed + engine.grid.replica)
+    data = batches(tokens, micro_batch=micro, seq=preset.seq_length, seed=wl.seed + layout_of(engine).data_parallel_rank)
     wiring.watch_steps(engine, watchdog)
     losses: list[float] = []
     try:

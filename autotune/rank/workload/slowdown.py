@@ -54,14 +54,15 @@ def stretch_compute(engine: Any, factor: float, every: int = 1) -> None:
 
     Only on steps whose number (the engine's `global_steps`) is a multiple of `every`.
     """
-    from deepspeed.runtime.pipe.schedule import BackwardPass, ForwardPass
+    from autotune.rank.engine_face import Instruction, instructions_of
 
     if factor == 1:
         return
-    instructions = dict(engine._INSTRUCTION_MAP)
-    for instr in (ForwardPass, BackwardPass):
-        instructions[instr] = _stretched(instructions[instr], factor, every)
-    engine._INSTRUCTION_MAP = instructions  # instance attribute shadows the class map
+
+    def stretched(instruction: Instruction, fn: Callable) -> Callable:
+        return _stretched(fn, factor, every) if instruction.name in ("ForwardPass", "BackwardPass") else fn
+
+    instructions_of(engine).wrap(stretched)
 
 
 def _stretched(fn: Callable, factor: float, every: int) -> Callable:
