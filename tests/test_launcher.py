@@ -38,3 +38,31 @@ def test_master_ports_come_from_below_the_ephemeral_range_and_are_free(monkeypat
         monkeypatch.setattr(launcher.random.SystemRandom, "randint", lambda self, a, b: next(draws))
         monkeypatch.setattr(launcher, "_ephemeral_low", lambda: 65000)
         assert launcher.free_port() == 25001  # the port in use is passed over
+
+
+def test_one_wait_for_every_launch_ends_on_exit_answer_or_deadline():
+    """`wait_for` is the fresh launch's, the warm pool's and watch's wait (issue 41)."""
+    import subprocess
+    import sys
+    import time
+
+    from autotune.trials.launcher import wait_for
+
+    def sleeper(seconds: float) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-c", f"import time, sys; time.sleep({seconds}); sys.exit(3)"])
+
+    quick = sleeper(0.1)
+    assert wait_for(quick, deadline=None) == (3, False)  # the launcher's own code
+    slow = sleeper(30)
+    try:
+        t0 = time.monotonic()
+        assert wait_for(slow, deadline=t0 + 0.3) == (None, True)  # no tick: the kernel's wait
+        ticks: list[float] = []
+        assert wait_for(slow, deadline=time.monotonic() + 0.3, tick=lambda: ticks.append(1)) == (None, True)
+        assert len(ticks) >= 3  # watch's echo and evaluation ran while it waited
+        assert wait_for(slow, deadline=None, answered=lambda: True) == (0, False)
+        assert slow.poll() is None  # a warm pool's job answered: its ranks stay up for the next one
+        assert time.monotonic() - t0 < 10
+    finally:
+        slow.kill()
+        slow.wait()

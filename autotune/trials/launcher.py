@@ -174,6 +174,10 @@ def build_command(spec: LaunchSpec, master_port: int) -> list[str]:
             "--master_port", str(master_port), str(spec.script), *spec.script_args]
 
 
+POLL_SECONDS = 0.02
+"""How often a wait with something to do between polls looks (a warm pool's answers)."""
+
+
 class TrialProcess:
     """A running trial; `wait()` enforces the timeout; `stop()` ends the whole group."""
 
@@ -217,13 +221,14 @@ class TrialProcess:
     def pgid(self) -> int | None:
         return self.proc.pid if self.proc is not None else None
 
-    def wait(self) -> tuple[int | None, bool]:
+    def wait(self, *, tick: Callable[[], None] | None = None, poll: float = POLL_SECONDS) -> tuple[int | None, bool]:
+        """(exit code, timed out) of the launcher, within the spec's timeout (0: none)."""
         assert self.proc is not None
-        try:
-            return self.proc.wait(timeout=self.spec.timeout), False
-        except subprocess.TimeoutExpired:
+        deadline = self.started + self.spec.timeout if self.spec.timeout > 0 else None
+        rc, timed_out = wait_for(self.proc, deadline=deadline, tick=tick, poll=poll)
+        if timed_out:
             self.stop()
-            return None, True
+        return rc, timed_out
 
     def stop(self, grace: float = 5.0, *, polite: bool = True) -> None:
         """SIGTERM the whole process group, then SIGKILL what is left (SIGKILL at once unless `polite`)."""
@@ -297,12 +302,42 @@ def group_alive(pgid: int) -> bool:
     return False
 
 
+def wait_for(proc: subprocess.Popen, *, deadline: float | None, answered: Callable[[], bool] | None = None,
+             tick: Callable[[], None] | None = None, poll: float = POLL_SECONDS) -> tuple[int | None, bool]:
+    """The one wait of every launch (a fresh trial, a warm pool's job, `watch`): until the
+    launcher exits (its code), `answered()` says the job is done (0: a warm pool's ranks
+    answered and stay up), or `deadline` (time.monotonic) passes: (None, True). `tick` runs at
+    every poll (watch echoes the log and evaluates). Stopping is the caller's: what it stops
+    differs (the group, or a pool kept for the next trial)."""
+    if answered is None and tick is None:  # nothing to do between polls: the kernel's wait
+        try:
+            return proc.wait(timeout=None if deadline is None else max(0.0, deadline - time.monotonic())), False
+        except subprocess.TimeoutExpired:
+            return None, True
+    while True:
+        if answered is not None and answered():
+            return 0, False
+        rc = proc.poll()
+        if tick is not None:
+            tick()
+        if rc is not None:
+            return rc, False
+        if deadline is not None and time.monotonic() > deadline:
+            return None, True
+        time.sleep(poll)
+
+
 def run_launch(proc: TrialProcess, *, on_start: Callable[[TrialProcess], None] | None = None,
-               after_stop: Callable[[TrialProcess], None] | None = None) -> LaunchOutcome:
-    """The one launch-and-stop path of every trial: start, wait (the spec's timeout), and stop the
-    whole group on every way out, a Ctrl-C included. `on_start` receives the running process
-    (the study records its group and port); `after_stop` runs once the group is gone (the ranks
-    on other nodes, which are sshd's children and not in the launcher's group)."""
+               after_stop: Callable[[TrialProcess], None] | None = None,
+               tick: Callable[[], None] | None = None, poll: float = POLL_SECONDS,
+               grace: float = 2.0) -> LaunchOutcome:
+    """The one launch-and-stop path of every fresh launch (a trial, a user's command, `watch`):
+    start, wait (the spec's timeout; `tick` at every poll), and stop the whole group on every
+    way out, a Ctrl-C included (within `stop_on_signals` a second one cannot cut it short).
+    `on_start` receives the running process (the study records its group and port);
+    `after_stop` runs once the group is gone (the ranks on other nodes, which are sshd's
+    children and not in the launcher's group). A warm pool's job waits with `wait_for` too and
+    stops its pool only when the job failed."""
     log_path = proc.spec.log_path
     try:
         error = proc.start()
@@ -312,9 +347,9 @@ def run_launch(proc: TrialProcess, *, on_start: Callable[[TrialProcess], None] |
                                  launch_error=error)
         if on_start is not None:
             on_start(proc)
-        rc, timed_out = proc.wait()
+        rc, timed_out = proc.wait(tick=tick, poll=poll)
     finally:
-        proc.stop(grace=2.0)  # ranks the launcher left behind, or a Ctrl-C: the whole group goes
+        proc.stop(grace=grace)  # ranks the launcher left behind, or a Ctrl-C: the whole group goes
         if after_stop is not None:
             after_stop(proc)
     return LaunchOutcome(returncode=rc, timed_out=timed_out, wall_seconds=time.monotonic() - proc.started,

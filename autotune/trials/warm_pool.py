@@ -30,6 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from autotune.trials.launcher import (
+    POLL_SECONDS,
     LaunchOutcome,
     LaunchSpec,
     TrialProcess,
@@ -37,12 +38,12 @@ from autotune.trials.launcher import (
     leftover_ports,
     processes_with,
     remove_shm_buffers,
+    wait_for,
 )
 
 WORKER_SCRIPT = Path(__file__).resolve().parent.parent / "rank" / "workload" / "worker.py"
 POOLS_DIR = "workers"
 """The pools' folder inside a study (next to the trial folders)."""
-POLL_SECONDS = 0.02
 WORKER_MODES = ("warm", "fresh")
 MAX_JOBS_PER_POOL = 200
 """Trials per pool before it is recycled: a bound on what a rank may still gather over many
@@ -132,18 +133,8 @@ class WarmPool:
         rc: int | None = None
         timed_out = False
         try:
-            while True:
-                if all(p.exists() for p in done):
-                    rc = 0
-                    break
-                polled = self.proc.proc.poll()
-                if polled is not None:
-                    rc = polled
-                    break
-                if time.monotonic() > deadline:
-                    timed_out = True
-                    break
-                time.sleep(POLL_SECONDS)
+            rc, timed_out = wait_for(self.proc.proc, deadline=deadline, answered=lambda: all(p.exists() for p in done),
+                                     poll=POLL_SECONDS)
         finally:
             if rc != 0:  # failed, timed out or interrupted: the processes are not trusted again
                 self.stop()

@@ -22,6 +22,8 @@ from __future__ import annotations
 import json
 import tempfile
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,7 +33,7 @@ from autotune.core.fileio import write_atomic
 from autotune.core.options import endpoint_defaults
 from autotune.core.rank_plan import RankPlan
 from autotune.rank.hook import MODE_WATCH, BootstrapSettings
-from autotune.trials.launcher import LaunchSpec, free_port
+from autotune.trials.launcher import LaunchSpec, free_port, run_launch
 from autotune.trials.multinode import resolve_cluster, stop_on_other_nodes
 from autotune.trials.user_command import CommandProcess, multi_node_command, rank_env, read_markers
 from autotune.tuning.stop_signals import (
@@ -246,20 +248,17 @@ class Watch:
         command, cluster = multi_node_command(self.p.command, settings, self.run_dir, spec, cwd=self.p.cwd)
         proc = CommandProcess(spec, command, self.p.config, self.p.cwd,
                               master_port=own_master_port(self.p.command) or free_port())
-        stop_nodes = stop_on_other_nodes(cluster, None)
-        self.stop_nodes = lambda: stop_nodes(proc)
         echo = _LogEcho(spec.log_path, self.console.out if o.echo else (lambda text: None))
+        # the trials' one launch-and-stop path (trials/launcher.py `run_launch`): on every way out,
+        # a Ctrl-C included, the whole group goes (launcher, ranks, their endpoint children), then
+        # the other nodes' ranks (sshd's children there)
         try:
-            with stop_on_signals():
-                error = proc.start()
-                if error is not None:
-                    raise UserError(error)
-                rc = self._loop(proc, echo)
+            with stop_on_signals(), self._watching(echo) as tick:
+                outcome = run_launch(proc, after_stop=stop_on_other_nodes(cluster, None), tick=tick,
+                                     poll=POLL_SECONDS, grace=5.0)
         except Stopped as stop:
-            previous = ignore_stop_signals()  # the clean-up is not cut short (leaving the block restored the handlers)
+            previous = ignore_stop_signals()  # the rest of the clean-up is not cut short either
             try:
-                proc.stop(grace=5.0)  # the whole group: launcher, ranks, their endpoint children
-                self.stop_nodes()  # and the other nodes' ranks (sshd's children there)
                 echo.pump(final=True)
             finally:
                 self._close()
@@ -268,15 +267,16 @@ class Watch:
                  f"metrics so far in {self.run_dir}")
             return stop.exit_code
         except BaseException:
-            proc.stop(grace=2.0)
-            self.stop_nodes()
             self._close()
             raise
-        proc.stop(grace=2.0)  # anything the launcher left behind; the /dev/shm buffers by its port
-        self.stop_nodes()
+        if outcome.launch_error is not None:
+            self._close()
+            raise UserError(outcome.launch_error)
         echo.pump(final=True)
         self._evaluate_safely(final=True)
         self._close()
+        rc = outcome.returncode if outcome.returncode is not None else 1
+        rc = 128 - rc if rc < 0 else rc  # killed by a signal: the shell's convention
         note(f"watch: the job exited with code {rc}; metrics in {self.run_dir}")
         return rc
 
@@ -292,25 +292,27 @@ class Watch:
                                              note=note, controller=self.exporter)
         self.endpoints.watch_folder(self.run_dir)
 
-    def _loop(self, proc: CommandProcess, echo: _LogEcho) -> int:
-        assert proc.proc is not None
+    @contextmanager
+    def _watching(self, echo: _LogEcho) -> Iterator[Callable[[], None]]:
+        """What watch does at every poll of the job's wait: echo its log, note its engine and,
+        every --interval seconds, evaluate its metrics (the status line says the latest)."""
         next_eval = time.monotonic() + self.opts.interval
         status = self.console.status("watching: waiting for the first steps") if self.console.is_terminal else None
+
+        def tick() -> None:
+            nonlocal next_eval
+            echo.pump(final=False)
+            self._note_engine()
+            if time.monotonic() >= next_eval:
+                summary = self._evaluate_safely()
+                next_eval = time.monotonic() + self.opts.interval
+                if status is not None and summary is not None:
+                    status.update(f"watching: {_describe(summary)}")
+
         if status is not None:
             status.start()
         try:
-            while True:
-                rc = proc.proc.poll()
-                echo.pump(final=rc is not None)
-                self._note_engine()
-                if rc is not None:
-                    return 128 - rc if rc < 0 else rc  # killed by a signal: the shell's convention
-                if time.monotonic() >= next_eval:
-                    summary = self._evaluate_safely()
-                    next_eval = time.monotonic() + self.opts.interval
-                    if status is not None and summary is not None:
-                        status.update(f"watching: {_describe(summary)}")
-                time.sleep(POLL_SECONDS)
+            yield tick
         finally:
             if status is not None:
                 status.stop()
