@@ -67,6 +67,34 @@ def test_the_built_in_description_is_the_plan_plus_the_workload(tmp_path):
     assert (fixed.plan.step_cap, fixed.plan.parts, fixed.plan.limits, fixed.plan.noise) == (5, None, None, 0.10)
 
 
+def test_one_request_to_plan_mapping_for_every_runner(tmp_path):
+    """The built-in runner and the user's command tell their ranks the same plan for the same
+    request and the same own settings (trials/contract.py `plan_for`), the request's asks
+    (parts, layer-cost hooks, trace steps, the incumbent, the limits) included."""
+    from autotune.trials.user_command import UserCommandRunner
+    from autotune.usercmd.command import parse_command
+
+    wl = WorkloadOptions(steps=5, warmup_steps=1, adaptive_steps=True, step_precision=0.04, max_steps=12,
+                         metrics_port=9500, job="study", workers="fresh")
+    base = DsConfig.from_dict({"train_micro_batch_size_per_gpu": 1})
+    builtin = BuiltinRunner(wl, base)
+    (tmp_path / "train.py").write_text("")
+    (tmp_path / "ds.json").write_text(json.dumps(base.to_dict()))
+    command = parse_command(["deepspeed", "train.py", "--deepspeed_config", "ds.json"], cwd=tmp_path)
+    user = UserCommandRunner(command, base, cwd=tmp_path,
+                             data_parallel_size=1, steps=5, warmup_steps=1, job="study", metrics_port=9500,
+                             step_length=(True, 0.04, 12))
+    for asks in ({}, {"parts": [0, 3, 6], "layer_costs": True, "trace_steps": 2}):
+        request = TrialRequest(number=3, config=TrialConfig(micro_batch_size=1, gradient_accumulation_steps=1),
+                               trial_dir=tmp_path, timeout=60.0, incumbent=Incumbent(80.0, 0.15),
+                               stall=StallLimits(startup_seconds=60.0), **asks)
+        plan = builtin.describe(request, tmp_path).plan
+        assert user.settings_for(request, tmp_path).plan == plan
+        assert (plan.parts, plan.layer_costs, plan.trace_steps) == (asks.get("parts"), asks.get("layer_costs", False),
+                                                                    asks.get("trace_steps", 0))
+        assert (plan.incumbent_samples_per_second, plan.noise, plan.max_steps) == (80.0, 0.15, 12)
+
+
 def test_the_bootstrap_settings_are_the_plan_plus_the_mode(tmp_path):
     assert (PLAN_FIELDS & {f.name for f in dataclasses.fields(BootstrapSettings)}) == set()
     settings = BootstrapSettings(plan=a_plan(str(tmp_path)), mode=MODE_PROBE)

@@ -132,6 +132,38 @@ class RankPlan(JsonForm):
         return cls(**d)
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RankSettings:
+    """A runner's own settings of what its ranks do around their steps (the built-in workload's
+    options, rank/workload/trial_spec.py `workload_settings`; the user-command runner's), which a
+    trial's request completes (trials/contract.py `plan_for`): the one mapping to a `RankPlan`."""
+
+    warmup_steps: int
+    steps: int
+    adaptive_steps: bool = False
+    step_precision: float = 0.03
+    max_steps: int = 0
+    metrics_port: int | None = None
+    metrics_addr: str = "127.0.0.1"
+    job: str = "autotune"
+    layer_costs: bool = False
+    parts: list[int] | None = None
+
+    def plan(self, *, trial_dir: str, trial: int, incumbent: tuple[float, float] | None = None,
+             limits: dict[str, Any] | None = None, trace_steps: int = 0, layer_costs: bool | None = None,
+             parts: list[int] | None = None) -> RankPlan:
+        """The plan of one trial; `incumbent` (samples/s, noise), `layer_costs` and `parts` (None:
+        these settings') are the trial's own."""
+        return RankPlan(
+            trial_dir=trial_dir, trial=trial, warmup_steps=self.warmup_steps, steps=self.steps,
+            adaptive_steps=self.adaptive_steps, step_precision=self.step_precision, max_steps=self.max_steps,
+            incumbent_samples_per_second=incumbent[0] if incumbent else None,
+            noise=incumbent[1] if incumbent else NOISE_MARGIN,
+            metrics_port=self.metrics_port, metrics_addr=self.metrics_addr, job=self.job,
+            layer_costs=self.layer_costs if layer_costs is None else layer_costs,
+            parts=self.parts if parts is None else parts, trace_steps=trace_steps, limits=limits)
+
+
 def plan_fields(d: dict[str, Any]) -> tuple[RankPlan, dict[str, Any]]:
     """A description's dict split into its plan and the rest (its own fields)."""
     rest = dict(d)

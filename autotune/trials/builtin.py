@@ -15,8 +15,8 @@ from autotune.core.faults import CONTROLLER_FAULTS, RANK_FAULTS
 from autotune.core.options import WorkloadOptions
 from autotune.core.space import TrialConfig
 from autotune.core.step_budget import RECORD_NAME as STEP_RECORD
-from autotune.rank.workload.trial_spec import SPEC_NAME, TrialSpec, describe_workload
-from autotune.trials.contract import TrialRequest, trial_ds_config
+from autotune.rank.workload.trial_spec import SPEC_NAME, TrialSpec, workload_settings
+from autotune.trials.contract import TrialRequest, plan_for, trial_ds_config
 from autotune.trials.judge import TrialOutcome, failed, judge
 from autotune.trials.launcher import (
     DEEPSPEED_LAUNCH,
@@ -93,14 +93,9 @@ class BuiltinRunner:
         """What the trial's ranks are told (written as trial-NNN/trial.json)."""
         workload = self.workload_for(request)
         fault = workload.fault_for(request.number)
-        incumbent = request.incumbent
-        spec = describe_workload(workload, trial=request.number, trial_dir=str(trial_dir),
-                                 ds_config=str(trial_dir / "ds_config.json"),
-                                 fault=fault if fault in RANK_FAULTS else None,  # a runner fault stays here
-                                 incumbent=(incumbent.samples_per_second, incumbent.noise) if incumbent else None,
-                                 limits=request.stall.to_dict() if request.stall is not None else None)
-        spec.plan.trace_steps = request.trace_steps
-        return spec
+        return TrialSpec(plan=plan_for(request, trial_dir, workload_settings(workload)), workload=workload,
+                         ds_config=str(trial_dir / "ds_config.json"),
+                         fault=fault if fault in RANK_FAULTS else None)  # a runner fault stays here
 
     def _prepare(self, request: TrialRequest) -> tuple[Path, dict[str, object]]:
         """The trial folder with its ds_config.json and trial.json; the ds_config."""

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from autotune.core.dsconfig import DEEPSPEED_DEFAULT_BUCKET, DsConfig
+from autotune.core.rank_plan import RankPlan, RankSettings
 from autotune.core.space import TrialConfig
 from autotune.rank.watchdog import StallLimits
 
@@ -60,6 +61,17 @@ class TrialRequest:
     """Steps to record a torch.profiler trace of on every rank (the trace step); 0: none."""
     knob_values: dict[str, str] = field(default_factory=dict)
     """The user's model settings for this trial (the knob sweep, autotune/tuning/knob_sweep.py)."""
+
+
+def plan_for(request: TrialRequest, trial_dir: Path, settings: RankSettings) -> RankPlan:
+    """What the trial's ranks are told: the runner's own settings with the request's part (its
+    number, the incumbent to beat, the watchdog's limits, the setting steps' asks). The one
+    request-to-plan mapping of every runner."""
+    incumbent = request.incumbent
+    return settings.plan(trial_dir=str(trial_dir), trial=request.number,
+                         incumbent=(incumbent.samples_per_second, incumbent.noise) if incumbent else None,
+                         limits=request.stall.to_dict() if request.stall is not None else None,
+                         trace_steps=request.trace_steps, layer_costs=request.layer_costs, parts=request.parts)
 
 
 @runtime_checkable

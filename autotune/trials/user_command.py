@@ -25,13 +25,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from autotune.core.dsconfig import DsConfig
-from autotune.core.noise import NOISE_MARGIN
-from autotune.core.rank_plan import RankPlan
+from autotune.core.rank_plan import RankPlan, RankSettings
 from autotune.core.space import TrialConfig
 from autotune.rank.hook import ENV, FILE_ENV, MODE_PROBE, MODE_TRIAL, BootstrapSettings
 from autotune.rank.watchdog import StallLimits
 from autotune.trials.builtin import prepare_trial_dir
-from autotune.trials.contract import TrialRequest, trial_ds_config
+from autotune.trials.contract import TrialRequest, plan_for, trial_ds_config
 from autotune.trials.judge import TrialOutcome, failed, judge
 from autotune.trials.launcher import LaunchOutcome, LaunchSpec, TrialProcess, free_port, run_launch
 from autotune.trials.multinode import (
@@ -229,18 +228,16 @@ class UserCommandRunner:
 
     def settings_for(self, request: TrialRequest, trial_dir: Path) -> BootstrapSettings:
         """What the trial's ranks are told (through the bootstrap's environment or file)."""
-        incumbent = request.incumbent
-        layer_costs = self.layer_costs if request.layer_costs is None else request.layer_costs
-        parts = self.parts if request.parts is None else request.parts
-        plan = RankPlan(trial_dir=str(trial_dir), trial=request.number, warmup_steps=self.warmup_steps,
-                        steps=self.steps, metrics_port=self.metrics_port, metrics_addr=self.metrics_addr,
-                        job=self.job, layer_costs=layer_costs, parts=parts, adaptive_steps=self.step_length[0],
-                        step_precision=self.step_length[1], max_steps=self.step_length[2],
-                        incumbent_samples_per_second=incumbent.samples_per_second if incumbent else None,
-                        noise=incumbent.noise if incumbent else NOISE_MARGIN,
-                        limits=request.stall.to_dict() if request.stall is not None else None,
-                        trace_steps=request.trace_steps)
-        return BootstrapSettings(mode=MODE_TRIAL, plan=plan)
+        return BootstrapSettings(mode=MODE_TRIAL, plan=plan_for(request, trial_dir, self.rank_settings))
+
+    @property
+    def rank_settings(self) -> RankSettings:
+        """This runner's own part of every trial's plan."""
+        adaptive, precision, cap = self.step_length
+        return RankSettings(warmup_steps=self.warmup_steps, steps=self.steps, adaptive_steps=adaptive,
+                            step_precision=precision, max_steps=cap, metrics_port=self.metrics_port,
+                            metrics_addr=self.metrics_addr, job=self.job, layer_costs=self.layer_costs,
+                            parts=self.parts)
 
     def run(self, request: TrialRequest) -> TrialOutcome:
         trial_dir, ds_path = prepare_trial_dir(

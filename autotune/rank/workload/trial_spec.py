@@ -16,9 +16,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from autotune.core.noise import NOISE_MARGIN
 from autotune.core.options import WorkloadOptions
-from autotune.core.rank_plan import JsonForm, RankPlan, plan_fields
+from autotune.core.rank_plan import JsonForm, RankPlan, RankSettings, plan_fields
 
 SPEC_NAME = "trial.json"
 
@@ -58,19 +57,18 @@ def describe_workload(workload: WorkloadOptions, *, trial: int, trial_dir: str, 
     """The description of one trial of `workload`: its plan from the workload's own settings.
     `incumbent`: (samples/s, noise) a trial must plausibly beat not to be stopped early;
     `limits`: the watchdog's (StallLimits as a dict), None for none."""
+    plan = workload_settings(workload).plan(trial_dir=trial_dir, trial=trial, incumbent=incumbent, limits=limits)
+    return TrialSpec(plan=plan, workload=workload, ds_config=ds_config, fault=fault)
+
+
+def workload_settings(workload: WorkloadOptions) -> RankSettings:
+    """The workload's own rank settings (its `parts:` partition method as the plan's parts)."""
     from autotune.core.partition import parse_parts
     from autotune.rank.pipeline_parts import PREFIX
 
     method = workload.partition_method
-    plan = RankPlan(
-        trial_dir=trial_dir, trial=trial, warmup_steps=workload.warmup_steps, steps=workload.steps,
-        adaptive_steps=workload.adaptive_steps, step_precision=workload.step_precision,
-        max_steps=workload.step_cap,
-        incumbent_samples_per_second=incumbent[0] if incumbent else None,
-        noise=incumbent[1] if incumbent else NOISE_MARGIN,
-        metrics_port=workload.metrics_port, metrics_addr=workload.metrics_addr, job=workload.job,
-        layer_costs=workload.layer_costs,
-        parts=parse_parts(method[len(PREFIX):]) if method.startswith(PREFIX) else None,
-        limits=limits,
-    )
-    return TrialSpec(plan=plan, workload=workload, ds_config=ds_config, fault=fault)
+    return RankSettings(warmup_steps=workload.warmup_steps, steps=workload.steps,
+                        adaptive_steps=workload.adaptive_steps, step_precision=workload.step_precision,
+                        max_steps=workload.step_cap, metrics_port=workload.metrics_port,
+                        metrics_addr=workload.metrics_addr, job=workload.job, layer_costs=workload.layer_costs,
+                        parts=parse_parts(method[len(PREFIX):]) if method.startswith(PREFIX) else None)
