@@ -13,7 +13,7 @@ import os
 import sys
 
 from autotune.rank.engine_face import layout_of
-from autotune.rank.workload.train import EXIT_OOM, TrialRun, parse_args, startup_fault
+from autotune.rank.workload.train import TrialRun, parse_args, startup_fault
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,12 +47,11 @@ def run_trial(spec, *, watchdog=None) -> TrialRun:
     import torch
     import torch.distributed as dist
 
-    from autotune.core.faults import inject_rank_fault
     from autotune.rank.torch_pp.engine import build
     from autotune.rank.wiring import wire
     from autotune.rank.workload.data import batches, load_token_file, synthetic_tokens
     from autotune.rank.workload.presets import get_preset
-    from autotune.rank.workload.train import _train
+    from autotune.rank.workload.train import steps_then_close
 
     wl = spec.workload
     preset = get_preset(wl.preset)
@@ -69,21 +68,10 @@ def run_trial(spec, *, watchdog=None) -> TrialRun:
     tokens = (load_token_file(wl.tokens, preset.vocab_size) if wl.tokens
               else synthetic_tokens(preset.vocab_size, 200_000, seed=wl.seed))
     data = batches(tokens, micro_batch=micro, seq=preset.seq_length, seed=wl.seed + layout_of(engine).data_parallel_rank)
-    wiring.watch_steps(engine, watchdog)
     losses: list[float] = []
-    try:
-        code = _train(spec, engine, data, engine.global_rank, losses, inject_rank_fault, wiring.budget)
-    except torch.OutOfMemoryError as exc:  # raised outside a step's own handler (the schedule's set-up)
-        print(f"autotune: out of memory on rank {engine.global_rank}: {exc}", file=sys.stderr, flush=True)
-        code = EXIT_OOM
+    code = steps_then_close(spec, engine, wiring, data, watchdog, losses)  # the CSV written either way
     if code == 0:
-        wiring.write_step_record(engine.global_rank)
-        if watchdog is not None:
-            watchdog.stop()
-        wiring.close()
-        dist.destroy_process_group()
-    else:
-        wiring.close()  # the failed trial's CSV written out before the rank ends without a shutdown (below)
+        dist.destroy_process_group()  # a failed rank ends without a shutdown (`exit_now`)
     return TrialRun(exit_code=code, losses=losses)
 
 

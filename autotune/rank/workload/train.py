@@ -95,7 +95,6 @@ def run_trial(spec: TrialSpec, *, release: bool = False, watchdog=None) -> Trial
     import deepspeed
     import torch
 
-    from autotune.core.faults import inject_rank_fault
     from autotune.rank.wiring import wire
     from autotune.rank.workload import groups as process_groups
     from autotune.rank.workload.data import batches, load_token_file, synthetic_tokens
@@ -130,9 +129,8 @@ def run_trial(spec: TrialSpec, *, release: bool = False, watchdog=None) -> Trial
         model=module, model_parameters=[p for p in module.parameters() if p.requires_grad],
         config=ds_config,
     )
-    wiring, closed = None, False
+    wiring = None
     try:
-        rank = engine.global_rank
         if wl.slow_stage is not None and layout_of(engine).stage == wl.slow_stage:
             stretch_compute(engine, wl.slow_factor, wl.slow_every)  # before the probe: the probe times it
         wiring = wire(engine, spec.plan, seq_length=preset.seq_length)  # probe, records, endpoint, budget
@@ -142,20 +140,10 @@ def run_trial(spec: TrialSpec, *, release: bool = False, watchdog=None) -> Trial
         micro = engine.train_micro_batch_size_per_gpu()
         data = (iter(user_batches(micro, wl.seed + dp_rank)) if user_batches is not None
                 else batches(tokens, micro_batch=micro, seq=preset.seq_length, seed=wl.seed + dp_rank))
-        wiring.watch_steps(engine, watchdog)
-        code = _train(spec, engine, data, rank, losses, inject_rank_fault, wiring.budget)
-        if code == 0:
-            wiring.write_step_record(rank)
-            if watchdog is not None:
-                watchdog.stop()
-            wiring.close()
-            closed = True
-        return TrialRun(exit_code=code, losses=losses)
+        return TrialRun(exit_code=steps_then_close(spec, engine, wiring, data, watchdog, losses), losses=losses)
     finally:
         if release:
             if wiring is not None:
-                if not closed:  # a failed trial's endpoint goes too
-                    wiring.close()
                 wiring.probe.uninstall()
             engine.destroy()
             drop_autograd_graphs(engine)
@@ -163,6 +151,33 @@ def run_trial(spec: TrialSpec, *, release: bool = False, watchdog=None) -> Trial
             gc.collect()  # DeepSpeed's cycles that still hold the trial's groups
             process_groups.destroy(process_groups.existing() - groups_before)  # their gloo threads end
             release_memory()
+
+
+def steps_then_close(spec: TrialSpec, engine, wiring, data, watchdog, losses: list[float]) -> int:
+    """The trial's tail on a rank of any engine (this workload's, autotune/rank/torch_pp/train.py),
+    once `wire` instrumented its engine: the watchdog on the steps, the steps (`_train`), then on
+    success the step record and the watchdog stopped, and the wiring closed on every way out (the
+    CSV written before a failed rank ends, perhaps without an interpreter shutdown). 0, or the
+    exit code of the way the trial failed."""
+    import torch
+
+    from autotune.core.faults import inject_rank_fault
+
+    rank = layout_of(engine).rank
+    try:
+        wiring.watch_steps(engine, watchdog)
+        try:
+            code = _train(spec, engine, data, rank, losses, inject_rank_fault, wiring.budget)
+        except torch.OutOfMemoryError as exc:  # outside a step's own handler (a schedule's set-up)
+            print(f"autotune: out of memory on rank {rank}: {exc}", file=sys.stderr, flush=True)
+            code = EXIT_OOM
+        if code == 0:
+            wiring.write_step_record(rank)
+            if watchdog is not None:
+                watchdog.stop()
+        return code
+    finally:
+        wiring.close()
 
 
 def _train(spec: TrialSpec, engine, data, rank: int, losses: list[float], inject_rank_fault, budget) -> int:
