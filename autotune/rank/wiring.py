@@ -18,9 +18,14 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from autotune.core.rank_plan import RankPlan
+
+if TYPE_CHECKING:
+    from autotune.core.step_budget import StepBudget
+    from autotune.rank.instrument import PipelineProbe
+    from autotune.rank.watchdog import Watchdog
 
 
 def process_rank() -> int:
@@ -28,7 +33,7 @@ def process_rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
-def rank_watchdog(plan: RankPlan, rank: int | None = None) -> Any:
+def rank_watchdog(plan: RankPlan, rank: int | None = None) -> Watchdog | None:
     """This rank's stall watchdog for the trial, writing in its folder; None when the controller
     set no limits (a runner called directly, outside a study, or a watched job)."""
     if plan.limits is None:
@@ -38,7 +43,7 @@ def rank_watchdog(plan: RankPlan, rank: int | None = None) -> Any:
     return Watchdog(plan.trial_dir, process_rank() if rank is None else rank, StallLimits.from_dict(plan.limits))
 
 
-def global_batch(engine: Any) -> int:
+def global_batch(engine: object) -> int:
     """Samples per optimizer step over every data-parallel rank."""
     from autotune.rank.engine_face import layout_of
 
@@ -50,12 +55,12 @@ class RankWiring:
     """What `wire` set up on one rank's engine."""
 
     plan: RankPlan
-    probe: Any
-    """The engine's probe (autotune/rank/instrument.py PipelineProbe), its sinks open."""
-    budget: Any = None
+    probe: PipelineProbe
+    """The engine's probe (autotune/rank/instrument.py), its sinks open."""
+    budget: StepBudget | None = None
     """When the steps end (autotune/core/step_budget.py StepBudget); None: the job's own loop decides."""
 
-    def watch_steps(self, engine: Any, watchdog: Any) -> None:
+    def watch_steps(self, engine: object, watchdog: Watchdog | None) -> None:
         """Time every step with the watchdog, if any: call it after every other wrapper of
         `train_batch`, so that it sees the whole step, the budget's decision too."""
         if watchdog is not None:
@@ -75,7 +80,7 @@ class RankWiring:
         self.probe.close_sinks()
 
 
-def wire(engine: Any, plan: RankPlan, *, seq_length: int | None = None, budget: bool = True) -> RankWiring:
+def wire(engine: object, plan: RankPlan, *, seq_length: int | None = None, budget: bool = True) -> RankWiring:
     """Instrument `engine` as `plan` says. `seq_length`: the tokens per sample where the caller
     knows it (else the probe reads it from the first stage's input); `budget=False`: no step
     budget (a watched job runs as long as it runs)."""

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
+from autotune.core.jsonvalue import JsonObject, JsonValue, json_object
 from autotune.study.store import STATUS_FAILED, STATUS_OK, Study, TrialRow, counted_of
 
 SUMMARY_FORMAT = 1
@@ -36,16 +36,16 @@ class StudyResults:
     """The best's mean samples/s over the baseline's; None unless the baseline succeeded with a throughput."""
     job: str
     """The job in words (autotune/study/job_record.py `describe_job`)."""
-    user_command: Any
+    user_command: JsonObject | None
     """The user's command and what its start-up check read (meta `user_command`); None: built-in."""
-    workload: Any
+    workload: JsonObject | None
     """The workload options; with a user's command its `preset` is None (the command ran, not a preset)."""
-    budget: Any
-    space: Any
+    budget: int | None
+    space: JsonObject | None
     """The search space as the tuner stored it (`description` and its values)."""
-    stopped: Any
+    stopped: JsonObject | None
     """Why the search stopped before the budget (autotune/tuning/search_stop.py); None: it did not."""
-    partition: dict[str, Any] | None
+    partition: JsonObject | None
     """--balance-stages: the parts the best needs (autotune/study/partition_record.py `read_result`)."""
 
     @property
@@ -57,7 +57,7 @@ class StudyResults:
     def failed(self) -> list[TrialRow]:
         return [t for t in self.counted if t.status == STATUS_FAILED]
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         """summary.json's content, key for key."""
         return {
             "format": SUMMARY_FORMAT,
@@ -77,7 +77,7 @@ class StudyResults:
         }
 
 
-def read_results(study: Study, *, meta: Callable[[str], Any] | None = None) -> StudyResults:
+def read_results(study: Study, *, meta: Callable[[str], JsonValue] | None = None) -> StudyResults:
     """The study's results now. `meta(key)` reads a stored value (default `study.get_meta_json`,
     which raises on a damaged one; the report passes a reader that answers None instead)."""
     from autotune.core.measurements import best_of
@@ -92,19 +92,19 @@ def read_results(study: Study, *, meta: Callable[[str], Any] | None = None) -> S
     speedup = None
     if best and baseline and baseline.status == STATUS_OK and baseline.samples_per_second:
         speedup = (best.samples_per_second or 0.0) / baseline.samples_per_second
-    workload, user_command = read("workload"), read(META_KEY)
-    if user_command and isinstance(workload, dict):
+    workload, user_command = json_object(read("workload")), json_object(read(META_KEY))
+    if user_command and workload is not None:
         workload = {**workload, "preset": None}  # the user's command ran, not a built-in preset
+    budget = read("budget")
     return StudyResults(
         trials=tuple(trials), counted=tuple(counted), baseline=baseline, best=best, speedup=speedup,
-        job=describe_job(user_command if isinstance(user_command, dict) else None,
-                         workload if isinstance(workload, dict) else None),
-        user_command=user_command, workload=workload, budget=read("budget"), space=read("space"),
-        stopped=read("stopped"), partition=read_result(study.root),
+        job=describe_job(user_command, workload), user_command=user_command, workload=workload,
+        budget=budget if isinstance(budget, int) and not isinstance(budget, bool) else None,
+        space=json_object(read("space")), stopped=json_object(read("stopped")), partition=read_result(study.root),
     )
 
 
-def trial_entry(t: TrialRow) -> dict[str, Any]:
+def trial_entry(t: TrialRow) -> JsonObject:
     """One trial as summary.json lists it."""
     return {
         "trial": t.number, "status": t.status, "source": t.source, "reason": t.reason,
@@ -113,6 +113,6 @@ def trial_entry(t: TrialRow) -> dict[str, Any]:
         "reduce_bucket_size": t.config.reduce_bucket_size,
         "activation_checkpoint_interval": t.config.activation_checkpoint_interval,
         "samples_per_second": t.samples_per_second, "failure_reason": t.failure_reason,
-        "failure_detail": t.failure_detail, "rules_fired": t.rules_fired,
+        "failure_detail": t.failure_detail, "rules_fired": [r for r in t.rules_fired],
         "wall_seconds": t.wall_seconds,
     }

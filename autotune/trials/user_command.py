@@ -22,7 +22,7 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from autotune.core.dsconfig import DsConfig
 from autotune.core.rank_plan import RankPlan, RankSettings
@@ -222,7 +222,7 @@ class UserCommandRunner:
     def close(self) -> None:
         """Nothing outlives a trial of the user's command."""
 
-    def ds_config_for(self, config: TrialConfig) -> dict[str, Any]:
+    def ds_config_for(self, config: TrialConfig) -> dict[str, object]:
         """The user's own config where it would run exactly this trial, else it with the trial's values."""
         return trial_ds_config(self.base_config, config, self.data_parallel_size, own_when_unchanged=True)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from autotune.core.dsconfig import DsConfig
 from autotune.core.errors import UserError
@@ -24,6 +25,13 @@ from autotune.tuning.job import TuningJob
 from autotune.tuning.starting_point import baseline_config, load_base_config
 from autotune.tuning.steps import TunerCallback
 from autotune.tuning.tuner import Tuner, TuneResult, dump_space
+
+if TYPE_CHECKING:
+    from autotune.core.space import TrialConfig
+    from autotune.core.summary import TrialSummary
+    from autotune.trials.multinode import Cluster
+    from autotune.tuning.proposers.base import Proposal
+    from exporters.run_endpoints import RunEndpoints
 
 
 def open_study(opts: RunOptions) -> tuple[Study, RunOptions]:
@@ -146,7 +154,7 @@ def tune(opts: RunOptions, display: ProgressDisplay | None = None, *,
         study.close()
 
 
-def _cluster(opts: RunOptions, display: ProgressDisplay):
+def _cluster(opts: RunOptions, display: ProgressDisplay) -> Cluster | None:
     """The nodes of a run with DeepSpeed launcher options (autotune/trials/multinode.py), else None."""
     from autotune.trials.multinode import resolve_cluster
 
@@ -170,18 +178,19 @@ def _store_meta(study: Study, opts: RunOptions, space: SearchSpace) -> None:
                          "host": {"cores": len(os.sched_getaffinity(0))}})
 
 
-def _rules_hooks():
+def _rules_hooks() -> tuple[Callable[[TrialSummary, TrialConfig, SearchSpace], list[Proposal]],
+                            Callable[[TrialSummary], list[str]]]:
     """The advisor's moves (steer the hybrid) and fired-rule ids (for the report)."""
     from autotune.advisor.engine import evaluate
     from autotune.tuning.proposers.rule_moves import propose_moves
 
-    def fired(summary) -> list[str]:
+    def fired(summary: TrialSummary) -> list[str]:
         return sorted({f.rule_id for f in evaluate([summary]) if getattr(f, "fired", True)})
 
     return propose_moves, fired
 
 
-def _live_metrics(opts: RunOptions, display: ProgressDisplay, study: Study):
+def _live_metrics(opts: RunOptions, display: ProgressDisplay, study: Study) -> RunEndpoints | None:
     """The controller and rank endpoints (on by default) and STUDY/prometheus_targets.json."""
     if opts.no_metrics or (opts.metrics_port is None and opts.rank_metrics_port is None):
         return None

@@ -19,10 +19,13 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any
+from typing import TYPE_CHECKING
 
 from autotune.core.errors import UserError
 from autotune.core.knob import Knob
+
+if TYPE_CHECKING:
+    from autotune.usercmd.command import UserCommand
 
 PLACE = "{value}"
 KNOWN = {"partition_method": ("parameters", "uniform"), "activation_checkpoint_interval": ("0", "1")}
@@ -146,7 +149,7 @@ def check_against_command(knobs: list[Knob], script_args: tuple[str, ...], confi
             raise UserError(f"--knob {k.name}: {k.flag} is where the command takes the DeepSpeed config")
 
 
-def apply_knobs(command: Any, values: dict[str, str], knobs: list[Knob]) -> Any:
+def apply_knobs(command: UserCommand, values: dict[str, str], knobs: list[Knob]) -> UserCommand:
     """The command with each knob's value in its script args."""
     args = command.script_args
     for k in knobs:
