@@ -26,7 +26,7 @@ import shutil
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from autotune.core.dsconfig import DsConfig, load_ds_config
 from autotune.core.errors import UserError
@@ -36,6 +36,12 @@ from autotune.trials.multinode import resolve_cluster
 from autotune.trials.precision import check_precision
 from autotune.trials.user_command import PROBE_TIMEOUT, UserCommandRunner, probe_shape
 from autotune.usercmd.command import UserCommand, check_launcher_installed, parse_command
+
+if TYPE_CHECKING:
+    from autotune.core.options import RunOptions
+    from autotune.study.store import Study
+    from autotune.trials.multinode import Cluster
+    from autotune.tuning.steps import SettingStep
 
 
 @dataclass(kw_only=True, slots=True)
@@ -59,12 +65,12 @@ class UserJob:
     def command_text(self) -> str:
         return " ".join(self.argv)
 
-    def describe(self, opts: Any) -> str:
+    def describe(self, opts: RunOptions) -> str:
         """The job in words (the run's header): the command and what its start-up check read."""
         return describe_job(asdict(self), asdict(opts.workload))
 
-    def runner(self, opts: Any, base: DsConfig, *, note: Callable[[str], None] | None = None,
-               cluster: Any = None) -> UserCommandRunner:
+    def runner(self, opts: RunOptions, base: DsConfig, *, note: Callable[[str], None] | None = None,
+               cluster: Cluster | None = None) -> UserCommandRunner:
         """The command's own launcher options place its ranks (`cluster` is the built-in's)."""
         wl = opts.workload
         command, own_cluster = self.launch(opts)
@@ -85,35 +91,35 @@ class UserJob:
                                  step_length=(wl.adaptive_steps, wl.step_precision, wl.step_cap),
                                  cluster=own_cluster)
 
-    def launch(self, opts: Any) -> tuple[UserCommand, Any]:
+    def launch(self, opts: RunOptions) -> tuple[UserCommand, Cluster | None]:
         """The command as its trials run it (autotune's launcher options joined to its own) and
         the nodes those options place its ranks on (None: this machine alone)."""
         command = with_autotune_launcher_options(self.command(), opts)
         return command, resolve_cluster(command.cluster_options(), None, check_hosts=False)
 
-    def space(self, opts: Any, base: DsConfig) -> SearchSpace:
+    def space(self, opts: RunOptions, base: DsConfig) -> SearchSpace:
         """The run's space with the user's model size bounding the bucket range (not a preset's)."""
         from autotune.tuning.starting_point import build_space
 
         return build_space(opts, base, model_parameters=self.parameters)
 
     # -- the rest of the workload contract (autotune/tuning/job.py) -----------------------------
-    def validate(self, opts: Any) -> None:
+    def validate(self, opts: RunOptions) -> None:
         from autotune.tuning.validation import validate
 
         validate(opts, built_in=False)  # the preset's limits do not apply to the user's model
 
-    def check_config(self, opts: Any, base: DsConfig) -> None:
+    def check_config(self, opts: RunOptions, base: DsConfig) -> None:
         """The user's config was checked when the job was read (`prepare_user_job`)."""
 
-    def store(self, study: Any) -> None:
+    def store(self, study: Study) -> None:
         if study.get_meta_json(META_KEY) is None:
             study.set_meta_json({META_KEY: asdict(self)})
 
-    def steps(self, opts: Any, base: DsConfig, space: SearchSpace, *, root: Path, note: Callable[[str], None],
-              noise: float, cluster: Any) -> list[Any]:
+    def steps(self, opts: RunOptions, base: DsConfig, space: SearchSpace, *, root: Path, note: Callable[[str], None],
+              noise: float, cluster: Cluster | None) -> list[SettingStep]:
         """The partition step (its parts forced on the script's PipelineModule) and the knob sweep."""
-        steps: list[Any] = []
+        steps: list[SettingStep] = []
         command, own_cluster = self.launch(opts)  # the same nodes the runner's trials run on
         if opts.workload.balance_stages:
             from autotune.tuning.balance import StageBalancer
@@ -129,7 +135,7 @@ class UserJob:
         return steps
 
 
-def prepare_user_job(opts: Any, argv: list[str], note: Callable[[str], None]) -> UserJob:
+def prepare_user_job(opts: RunOptions, argv: list[str], note: Callable[[str], None]) -> UserJob:
     """Check the command and measure its pipeline; `opts` is pointed at the user's config and shape.
 
     An existing study is resumed with its own command (no probe); another command for it is refused.
@@ -169,6 +175,7 @@ def prepare_user_job(opts: Any, argv: list[str], note: Callable[[str], None]) ->
         raise UserError(f"the command failed its start-up check ({failure.result.failure_reason}): "
                         f"{failure.failure_detail}; log kept in {probe_dir / 'launcher.log'}")
     shutil.rmtree(probe_dir, ignore_errors=True)
+    assert shape is not None  # no failure: the probe read the engine
     if shape.stages < 2:
         raise UserError(f"the script's PipelineModule has {shape.stages} stage; autotune tunes pipelines of "
                         "2 or more stages (num_stages)")
@@ -183,12 +190,12 @@ def prepare_user_job(opts: Any, argv: list[str], note: Callable[[str], None]) ->
                    gradient_accumulation_steps=shape.gradient_accumulation_steps)
 
 
-def with_autotune_launcher_options(cmd: UserCommand, opts: Any) -> UserCommand:
+def with_autotune_launcher_options(cmd: UserCommand, opts: RunOptions) -> UserCommand:
     """`autotune run --hostfile ... -- deepspeed ...`: autotune's launcher options join the command's."""
     return cmd.with_launcher_options(opts.workload.launcher_options().argv())
 
 
-def resumed_user_job(study: Any) -> UserJob | None:
+def resumed_user_job(study: Study) -> UserJob | None:
     """The command a study of a user's command was created for (a resume without one); None: none."""
     stored = study.get_meta_json(META_KEY)
     return UserJob(**stored) if stored else None
