@@ -258,3 +258,28 @@ def test_deepspeeds_engine_internals_are_read_in_the_engine_face_only():
                 found[attr].add(name)
     assert {k: v - readers[k] for k, v in found.items() if v - readers[k]} == {}
     assert found["_INSTRUCTION_MAP"] == {"autotune.rank.engine_face"}  # the check sees the one reader
+
+
+def _literal_labels(name: str, tree: ast.AST) -> list[str]:
+    """Where `tree` writes a proposal's `source` as a literal, or defaults a proposer's to one."""
+    bad = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "Proposal":
+            bad += [f"{name}:{node.lineno}" for kw in node.keywords
+                    if kw.arg == "source" and isinstance(kw.value, (ast.Constant, ast.JoinedStr))]
+        if isinstance(node, ast.FunctionDef) and name.startswith("autotune.tuning"):
+            pairs = [*zip(reversed(node.args.args), reversed(node.args.defaults), strict=False),
+                     *zip(node.args.kwonlyargs, node.args.kw_defaults, strict=True)]
+            bad += [f"{name}:{node.lineno}" for arg, default in pairs
+                    if arg.arg == "source" and isinstance(default, ast.Constant) and isinstance(default.value, str)]
+    return bad
+
+
+def test_every_trial_label_is_defined_in_the_trial_kind_module():
+    """A proposal's `source` is written from core/trial_kind.py's labels, never as a literal
+    where it is proposed (the study stores it; the steps and reports read it back)."""
+    assert [b for name, tree in TREES.items() for b in _literal_labels(name, tree)] == []
+    # the check can fail: it finds what the rule moves and the Bayesian proposer wrote before
+    assert sorted(_literal_labels("autotune.tuning.x", ast.parse(
+        'Proposal(config=c, source=f"rule:{r}")\ndef f(*, source: str = "bayes"): pass'))) == \
+        ["autotune.tuning.x:1", "autotune.tuning.x:2"]

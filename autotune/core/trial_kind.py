@@ -50,6 +50,14 @@ proposal is labelled by its rules' ids joined with "+"."""
 REMEASURE, CONFIRM, RECHECK = "remeasure", "confirm", "recheck"
 REMEASURE_LABELS = (REMEASURE, CONFIRM, RECHECK)
 """The proposer's re-measurements of a configuration measured before."""
+RULE_PREFIX, RULE_JOIN = "rule:", "+"
+"""`rule:<id>`: a rule's move (autotune/tuning/proposers/rule_moves.py); the hybrid proposer
+labels a move several rules proposed by their labels joined with "+"."""
+RANDOM, GRID, DS_AUTOTUNER, MODEL = "random", "grid", "ds-autotuner", "model"
+"""The other proposers' points (autotune/tuning/proposers/): uniform random, the grid, DeepSpeed's
+own autotuner's order, the performance model's pick."""
+OPTUNA_PREFIX = "optuna-"
+"""`optuna-<sampler>`: an Optuna sampler's point (autotune/tuning/proposers/optuna_backend.py)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +73,14 @@ class TrialKind:
     @classmethod
     def knob(cls, name: str, value: str) -> TrialKind:
         return cls(f"{KNOB_PREFIX}{name}={value}")
+
+    @classmethod
+    def rule(cls, rule_id: str) -> TrialKind:
+        return cls(f"{RULE_PREFIX}{rule_id}")
+
+    @classmethod
+    def optuna(cls, sampler: str) -> TrialKind:
+        return cls(f"{OPTUNA_PREFIX}{sampler}")
 
     @property
     def step(self) -> Step:

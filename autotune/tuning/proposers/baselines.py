@@ -10,6 +10,7 @@ import numpy as np
 
 from autotune.core.dsconfig import DEEPSPEED_DEFAULT_BUCKET
 from autotune.core.space import SearchSpace, TrialConfig
+from autotune.core.trial_kind import DS_AUTOTUNER, GRID, RANDOM
 from autotune.core.trial_result import TrialResult
 from autotune.tuning.proposers.base import Proposal
 from autotune.tuning.proposers.history import History
@@ -29,7 +30,7 @@ class RandomProposer:
         if cfg is None:  # one-point space, nothing told yet
             cfg = _first(self.space)
         self.history.pending.add(cfg.key())
-        return Proposal(config=cfg, source="random", reason="uniform random point")
+        return Proposal(config=cfg, source=RANDOM, reason="uniform random point")
 
     def tell(self, config: TrialConfig, result: TrialResult) -> None:
         self.history.record(config, result)
@@ -57,10 +58,10 @@ class GridProposer:
         for cfg in self._order:
             if cfg.key() not in seen:
                 self.history.pending.add(cfg.key())
-                return Proposal(config=cfg, source="grid", reason="next grid point")
+                return Proposal(config=cfg, source=GRID, reason="next grid point")
         cfg = unexplored(self.space, seen, self._rng) or self.history.best() or _first(self.space)
         self.history.pending.add(cfg.key())
-        return Proposal(config=cfg, source="grid", reason="grid exhausted: random point")
+        return Proposal(config=cfg, source=GRID, reason="grid exhausted: random point")
 
     def tell(self, config: TrialConfig, result: TrialResult) -> None:
         self.history.record(config, result)
@@ -162,7 +163,7 @@ class DSAutotunerProposer:
             cfg = unexplored(self.space, seen, self._rng) or self.history.best() or _first(self.space)
             reason = "plan done: random point"
         self.history.pending.add(cfg.key())
-        return Proposal(config=cfg, source="ds-autotuner", reason=reason)
+        return Proposal(config=cfg, source=DS_AUTOTUNER, reason=reason)
 
 
 def _first(space: SearchSpace) -> TrialConfig:

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from autotune.core.space import SearchSpace, TrialConfig
+from autotune.core.trial_kind import BAYES
 from autotune.core.trial_result import TrialResult
 from autotune.tuning import preload
 from autotune.tuning.proposers.base import Proposal
@@ -130,7 +131,7 @@ class BayesProposer:
 
     def __init__(self, space: SearchSpace, *, seed: int = 0, n_initial_points: int = 5,
                  base_estimator: str = "GP", acq_func: str = "EI",
-                 veto: Veto | None = None, source: str = "bayes", oom_as_penalty: bool = True) -> None:
+                 veto: Veto | None = None, source: str = BAYES, oom_as_penalty: bool = True) -> None:
         if base_estimator not in {"GP", "ET", "RF"}:
             # "GBRT" fails with scikit-learn >= 1.6 ("... has to be a regressor").
             raise ValueError(f"base_estimator {base_estimator!r} unsupported; use GP, ET or RF")

@@ -46,7 +46,7 @@ from dataclasses import replace
 
 from autotune.core.noise import NOISE_MARGIN, ties
 from autotune.core.space import SearchSpace, TrialConfig
-from autotune.core.trial_kind import BAYES, CLIMB, CONFIRM, EXPLORE, RECHECK, REMEASURE
+from autotune.core.trial_kind import BAYES, CLIMB, CONFIRM, EXPLORE, RECHECK, REMEASURE, RULE_JOIN
 from autotune.core.trial_result import TrialResult
 from autotune.tuning.proposers import convergence
 from autotune.tuning.proposers.base import Proposal
@@ -223,7 +223,7 @@ class HybridProposer:
                         names.append(p.source)
                     why.append(p.reason)
         if len(why) > 1:
-            out.append(Proposal(config=cfg, source="+".join(names), reason="; ".join(why)))
+            out.append(Proposal(config=cfg, source=RULE_JOIN.join(names), reason="; ".join(why)))
         out.extend(raw)
         uniq: dict[tuple, Proposal] = {}
         for p in out:

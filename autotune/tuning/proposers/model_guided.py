@@ -24,11 +24,12 @@ from pathlib import Path
 from autotune.core.dsconfig import reduce_bucket_acts
 from autotune.core.noise import NOISE_MARGIN
 from autotune.core.space import SearchSpace, TrialConfig
+from autotune.core.trial_kind import MODEL
 from autotune.core.trial_result import TrialResult
 from autotune.tuning.proposers.base import Proposal
 from autotune.tuning.proposers.feasibility import FeasibilityModel
 
-SOURCE = "model"
+SOURCE = MODEL
 BUCKET_POINTS = 4
 
 

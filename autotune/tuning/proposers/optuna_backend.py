@@ -17,6 +17,7 @@ from optuna.distributions import FloatDistribution, IntDistribution
 from optuna.trial import FrozenTrial
 
 from autotune.core.space import SearchSpace, TrialConfig
+from autotune.core.trial_kind import TrialKind
 from autotune.core.trial_result import TrialResult
 from autotune.tuning.proposers.base import Proposal
 from autotune.tuning.proposers.bayes import Encoding
@@ -45,7 +46,7 @@ class OptunaProposer:
             else:
                 raise ValueError(f"unknown optuna sampler {sampler!r}")
         self.space = space
-        self.source = f"optuna-{sampler}"
+        self.source = TrialKind.optuna(sampler).label
         self.study = optuna.create_study(direction="maximize", sampler=s)
         self.encoding = Encoding(space)
         self.history = History(space)

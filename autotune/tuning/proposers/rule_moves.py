@@ -17,6 +17,7 @@ from autotune.advisor.signals import from_summary, layout_values
 from autotune.core.dsconfig import DEEPSPEED_DEFAULT_BUCKET
 from autotune.core.space import SearchSpace, TrialConfig, round_bucket
 from autotune.core.summary import TrialSummary
+from autotune.core.trial_kind import TrialKind
 from autotune.tuning.proposers.base import Proposal
 
 
@@ -43,7 +44,7 @@ def propose_moves(summary: TrialSummary, current: TrialConfig, space: SearchSpac
             if cfg is None or cfg.key() in seen:
                 continue
             seen.add(cfg.key())
-            out.append(Proposal(config=cfg, source=f"rule:{f.rule_id}", reason=_reason(f, change, cfg)))
+            out.append(Proposal(config=cfg, source=TrialKind.rule(f.rule_id).label, reason=_reason(f, change, cfg)))
     return out
 
 
