@@ -11,6 +11,9 @@ asserted once for all three:
   the partition step asked for (read back from the ranks' own layer-cost files);
 - a launcher that cannot start is a `launcher_missing` outcome with its line in the log,
   not an exception;
+- a rank that runs out of memory or is killed ends the trial as a failed outcome with that
+  reason, and nothing of it is left running: for the three runners and the torch engine's
+  launch (torchrun) too;
 - after `close()`, nothing of the runner is left running.
 """
 
@@ -28,6 +31,7 @@ from autotune.core.dsconfig import DsConfig
 from autotune.core.options import WorkloadOptions
 from autotune.core.space import TrialConfig
 from autotune.rank.layer_costs import read_trial_layer_costs
+from autotune.rank.watchdog import StallLimits
 from autotune.trials.builtin import BuiltinRunner, WarmRunner, builtin_runner
 from autotune.trials.contract import Runner, TrialRequest
 from autotune.trials.user_command import UserCommandRunner
@@ -41,16 +45,28 @@ FIRST = TrialConfig(micro_batch_size=2, gradient_accumulation_steps=4)
 SECOND = TrialConfig(micro_batch_size=4, gradient_accumulation_steps=2)
 
 
-def make_runner(kind: str, folder: Path, *, launcher: str | None = None) -> Runner:
+def make_runner(kind: str, folder: Path, *, launcher: str | None = None, fault: str | None = None) -> Runner:
+    """`fault`: injected at the third step of rank 1 (the built-in workload's --fault; the user's
+    command: tests/usercmd_scripts/faulty_pipeline.py, told by CONTRACT_FAULT)."""
     base = DsConfig.from_dict(dict(FAST_CONFIG))
+    if kind == "torch":  # the torch engine's launch (torchrun, its rank), fresh processes
+        from autotune.engines.registry import engine_named
+
+        engine = engine_named("torch")
+        wl = WorkloadOptions(engine="torch", data_parallel_size=1, steps=3, warmup_steps=1, workers="fresh",
+                             faults=f"{fault}@0" if fault else None)
+        return builtin_runner(wl, base, launch=engine.launch, workload_knobs=engine.workload_knobs,
+                              note=lambda _t: None)
     if kind in ("fresh", "warm"):
-        wl = WorkloadOptions(data_parallel_size=1, steps=3, warmup_steps=1, workers=kind)
+        wl = WorkloadOptions(data_parallel_size=1, steps=3, warmup_steps=1, workers=kind,
+                             faults=f"{fault}@0" if fault else None)
         runner = builtin_runner(wl, base, launcher=[launcher] if launcher else None, note=lambda _t: None)
         assert isinstance(runner, WarmRunner if kind == "warm" else BuiltinRunner)
         return runner
     config = folder / "ds_config.json"
     config.write_text(json.dumps(FAST_CONFIG))
-    command = parse_command([launcher or "deepspeed", "--num_gpus", "2", str(REPO / "examples" / "pipeline_train.py"),
+    script = REPO / "tests" / "usercmd_scripts" / "faulty_pipeline.py" if fault else REPO / "examples" / "pipeline_train.py"
+    command = parse_command([launcher or "deepspeed", "--num_gpus", "2", str(script),
                              "--deepspeed_config", str(config), "--steps", "100000"], cwd=folder)
     return UserCommandRunner(command, base, cwd=folder, data_parallel_size=1, steps=3, warmup_steps=1)
 
@@ -123,3 +139,27 @@ def test_a_launcher_that_cannot_start_is_an_outcome_not_an_exception(kind, tmp_p
     assert not outcome.result.ok and outcome.result.failure_reason == "launcher_missing"
     assert "no-such-launcher" in outcome.failure_detail
     assert "no-such-launcher" in (tmp_path / "trial-000" / "launcher.log").read_text()
+
+
+FAILURES = {"oom": "oom", "kill": "killed"}
+"""The fault injected on rank 1 -> the reason its trial must end with. A rank that stops
+stepping is tests/test_stall_watchdog.py's and tests/test_faults.py's (its limit is at least a
+minute: one case costs that much per runner)."""
+
+
+@pytest.mark.parametrize("fault", sorted(FAILURES))
+@pytest.mark.parametrize("kind", [*KINDS, "torch"])
+def test_a_rank_that_fails_ends_the_trial_with_its_reason_and_leaves_nothing(kind, fault, tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    monkeypatch.setenv("CONTRACT_FAULT", fault)  # the user's command's script reads it
+    runner = make_runner(kind, tmp_path, fault=fault)
+    try:
+        outcome = runner.run(TrialRequest(number=0, config=FIRST, trial_dir=tmp_path / "trial-000", timeout=300,
+                                          stall=StallLimits(startup_seconds=240.0)))
+    finally:
+        runner.close()
+    assert not outcome.result.ok and outcome.result.failure_reason == FAILURES[fault], \
+        (kind, fault, outcome.result.failure_reason, outcome.failure_detail)
+    assert outcome.failure_detail
+    assert alive_under(tmp_path) == []
