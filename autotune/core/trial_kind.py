@@ -11,7 +11,6 @@ steps and the reports depend on this module and not on one another.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
 
 
 class Step(enum.Enum):
@@ -29,46 +28,20 @@ class Step(enum.Enum):
     """The knob sweep of the model settings (autotune/tuning/knob_sweep.py)."""
 
 
-BASELINE = "baseline"
-PARTITION = "partition"
-"""A partition round's candidate parts, hooks on."""
-PARTITION_COSTS = "partition-costs"
-"""The best trial's configuration again with the hooks on: the layer costs and the reference of a round."""
-PARTITION_RECHECK = "partition-recheck"
-"""The candidate again, when the round's pair lies within the noise margin."""
-PARTITION_REFERENCE = "partition-reference"
-"""The partition in force again, after the recheck (the pair in the order A B B A)."""
-PARTITION_LABELS = (PARTITION, PARTITION_COSTS, PARTITION_RECHECK, PARTITION_REFERENCE)
-CHECKPOINT = "checkpoint"
-"""An out-of-memory micro-batch again with activation checkpointing."""
-KNOB_PREFIX = "knob:"
-"""`knob:NAME=VALUE`: the baseline's layout with one of the user's model settings changed."""
-BAYES, EXPLORE, CLIMB = "bayes", "explore", "climb"
-"""The hybrid proposer's own proposals (autotune/tuning/proposers/hybrid.py): the surrogate's
-pick, a random point before any rule fired, a step from the best along one axis. A rule's
-proposal is labelled by its rules' ids joined with "+"."""
-REMEASURE, CONFIRM, RECHECK = "remeasure", "confirm", "recheck"
-REMEASURE_LABELS = (REMEASURE, CONFIRM, RECHECK)
-"""The proposer's re-measurements of a configuration measured before."""
-RULE_PREFIX, RULE_JOIN = "rule:", "+"
-"""`rule:<id>`: a rule's move (autotune/tuning/proposers/rule_moves.py); the hybrid proposer
-labels a move several rules proposed by their labels joined with "+"."""
-RANDOM, GRID, DS_AUTOTUNER, MODEL = "random", "grid", "ds-autotuner", "model"
-"""The other proposers' points (autotune/tuning/proposers/): uniform random, the grid, DeepSpeed's
-own autotuner's order, the performance model's pick."""
-OPTUNA_PREFIX = "optuna-"
-"""`optuna-<sampler>`: an Optuna sampler's point (autotune/tuning/proposers/optuna_backend.py)."""
+class TrialKind(str):
+    """A trial's kind: the label the study stores and the reports show, typed. A `str`, so it
+    is stored, written to JSON, shown and compared as its label; `step` and the other
+    properties say what it means."""
 
+    __slots__ = ()
 
-@dataclass(frozen=True, slots=True)
-class TrialKind:
-    """A trial's kind; `label` is the text the study stores and the reports show."""
-
-    label: str
+    @property
+    def label(self) -> str:
+        return str.__str__(self)
 
     @classmethod
     def of(cls, label: str) -> TrialKind:
-        return cls(str(label))
+        return label if isinstance(label, TrialKind) else cls(label)
 
     @classmethod
     def knob(cls, name: str, value: str) -> TrialKind:
@@ -117,5 +90,34 @@ class TrialKind:
         name, _, value = self.label[len(KNOB_PREFIX):].partition("=")
         return name, value
 
-    def __str__(self) -> str:
-        return self.label
+
+BASELINE = TrialKind("baseline")
+PARTITION = TrialKind("partition")
+"""A partition round's candidate parts, hooks on."""
+PARTITION_COSTS = TrialKind("partition-costs")
+"""The best trial's configuration again with the hooks on: the layer costs and the reference of a round."""
+PARTITION_RECHECK = TrialKind("partition-recheck")
+"""The candidate again, when the round's pair lies within the noise margin."""
+PARTITION_REFERENCE = TrialKind("partition-reference")
+"""The partition in force again, after the recheck (the pair in the order A B B A)."""
+PARTITION_LABELS = (PARTITION, PARTITION_COSTS, PARTITION_RECHECK, PARTITION_REFERENCE)
+CHECKPOINT = TrialKind("checkpoint")
+"""An out-of-memory micro-batch again with activation checkpointing."""
+KNOB_PREFIX = "knob:"
+"""`knob:NAME=VALUE`: the baseline's layout with one of the user's model settings changed."""
+BAYES, EXPLORE, CLIMB = TrialKind("bayes"), TrialKind("explore"), TrialKind("climb")
+"""The hybrid proposer's own proposals (autotune/tuning/proposers/hybrid.py): the surrogate's
+pick, a random point before any rule fired, a step from the best along one axis. A rule's
+proposal is labelled by its rules' ids joined with "+"."""
+REMEASURE, CONFIRM, RECHECK = TrialKind("remeasure"), TrialKind("confirm"), TrialKind("recheck")
+REMEASURE_LABELS = (REMEASURE, CONFIRM, RECHECK)
+"""The proposer's re-measurements of a configuration measured before."""
+RULE_PREFIX, RULE_JOIN = "rule:", "+"
+"""`rule:<id>`: a rule's move (autotune/tuning/proposers/rule_moves.py); the hybrid proposer
+labels a move several rules proposed by their labels joined with "+"."""
+RANDOM, GRID, DS_AUTOTUNER, MODEL = (TrialKind("random"), TrialKind("grid"), TrialKind("ds-autotuner"),
+                                     TrialKind("model"))
+"""The other proposers' points (autotune/tuning/proposers/): uniform random, the grid, DeepSpeed's
+own autotuner's order, the performance model's pick."""
+OPTUNA_PREFIX = "optuna-"
+"""`optuna-<sampler>`: an Optuna sampler's point (autotune/tuning/proposers/optuna_backend.py)."""

@@ -23,6 +23,7 @@ from typing import Any
 
 from autotune.core.errors import StudyError
 from autotune.core.space import TrialConfig
+from autotune.core.trial_kind import TrialKind
 from autotune.core.trial_result import STATUS_FAILED, STATUS_OK
 
 STUDY_FORMAT = 1
@@ -64,7 +65,8 @@ class TrialRow:
     id: int
     number: int
     status: str
-    source: str
+    source: TrialKind
+    """What the trial is for (autotune/core/trial_kind.py), read from the stored label."""
     reason: str
     config: TrialConfig
     samples_per_second: float | None
@@ -78,6 +80,9 @@ class TrialRow:
     pgid: int | None
     master_port: int | None = None
     """The trial's torch.distributed port: names the /dev/shm buffers its ranks leave behind."""
+
+    def __post_init__(self) -> None:
+        self.source = TrialKind.of(self.source)  # a row built from a label (a test, a replay)
     repeats: int = 1
     """How many successful trials ran this configuration (set by Study.best)."""
 
@@ -253,7 +258,7 @@ class Study:
             " FROM trials ORDER BY id"
         ).fetchall()
         return [
-            TrialRow(id=r[0], number=r[1], status=r[2], source=r[3], reason=r[4],
+            TrialRow(id=r[0], number=r[1], status=r[2], source=TrialKind.of(r[3]), reason=r[4],
                      config=TrialConfig(micro_batch_size=r[5], gradient_accumulation_steps=r[6],
                                         reduce_bucket_size=r[7], activation_checkpoint_interval=r[18]),
                      samples_per_second=r[8], failure_reason=r[9], failure_detail=r[10],

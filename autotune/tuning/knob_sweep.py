@@ -110,7 +110,7 @@ class KnobSweep:
             for v in k.values:
                 if v != self.kept[k.name]:
                     self.queue.append(Proposal(
-                        config=baseline.config, source=TrialKind.knob(k.name, v).label,
+                        config=baseline.config, source=TrialKind.knob(k.name, v),
                         reason=f"knob {k.name}: {' '.join(k.tokens(v))} at the baseline's micro-batch and GAS"))
 
     def _decide(self, name: str) -> None:

@@ -22,14 +22,18 @@ from autotune.core.trial_result import TrialResult
 @dataclass(kw_only=True, slots=True)
 class Proposal:
     config: TrialConfig
-    source: str
-    """Who proposed it: baseline, bayes, rule:<id>, random, grid, ... (the label the study stores)."""
+    source: TrialKind
+    """Who proposed it: baseline, bayes, rule:<id>, random, grid, ... (autotune/core/trial_kind.py;
+    the label the study stores). A label given as text is made the kind."""
     reason: str = ""
+
+    def __post_init__(self) -> None:
+        self.source = TrialKind.of(self.source)
 
     @property
     def kind(self) -> TrialKind:
-        """The typed kind of the trial (autotune/core/trial_kind.py)."""
-        return TrialKind.of(self.source)
+        """The typed kind of the trial (its `source`)."""
+        return self.source
 
 
 @runtime_checkable

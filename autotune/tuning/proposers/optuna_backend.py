@@ -46,7 +46,7 @@ class OptunaProposer:
             else:
                 raise ValueError(f"unknown optuna sampler {sampler!r}")
         self.space = space
-        self.source = TrialKind.optuna(sampler).label
+        self.source = TrialKind.optuna(sampler)
         self.study = optuna.create_study(direction="maximize", sampler=s)
         self.encoding = Encoding(space)
         self.history = History(space)

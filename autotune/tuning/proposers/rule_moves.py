@@ -44,7 +44,7 @@ def propose_moves(summary: TrialSummary, current: TrialConfig, space: SearchSpac
             if cfg is None or cfg.key() in seen:
                 continue
             seen.add(cfg.key())
-            out.append(Proposal(config=cfg, source=TrialKind.rule(f.rule_id).label, reason=_reason(f, change, cfg)))
+            out.append(Proposal(config=cfg, source=TrialKind.rule(f.rule_id), reason=_reason(f, change, cfg)))
     return out
 
 
