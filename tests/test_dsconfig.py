@@ -40,7 +40,10 @@ def test_with_trial_keeps_user_keys_and_sets_consistent_batch():
 
 @pytest.mark.parametrize("text, msg", [
     ("{not json", "not valid JSON"),
+    ('{"a": 1 "b": 2}', "nor the hjson DeepSpeed also reads"),
+    ('{"train_batch_size": 1e999,}', "nor the hjson DeepSpeed also reads"),  # hjson overflows (found by fuzzing)
     ("[1, 2]", "JSON object"),
+    ("  \n", "the file is empty"),
     ('{"train_batch_size": -3}', "positive integer"),
     ('{"train_batch_size": "many"}', "positive integer"),
     ('{"zero_optimization": {"stage": 7}}', "0-3"),
@@ -50,6 +53,53 @@ def test_malformed_configs(tmp_path, text, msg):
     p.write_text(text)
     with pytest.raises(ConfigError, match=msg):
         load_ds_config(p)
+
+
+LENIENT = """{
+  // a published config: DeepSpeed reads it with hjson (runtime/config.py)
+  "train_micro_batch_size_per_gpu": 2,
+  "gradient_accumulation_steps": 4,
+  "zero_optimization": {"stage": 1, "reduce_bucket_size": 5e5,},
+}
+"""
+
+
+def test_a_config_deepspeed_reads_is_read_and_its_leniency_said(tmp_path):
+    """Comments and trailing commas load as DeepSpeed loads them; the config says where it left
+    strict JSON, `check` reports it as a finding, and what autotune writes is strict JSON."""
+    p = tmp_path / "ds.json"
+    p.write_text(LENIENT)
+    cfg = load_ds_config(p)
+    assert (cfg.micro_batch_size, cfg.gradient_accumulation_steps, cfg.zero_stage, cfg.reduce_bucket_size) == \
+        (2, 4, 1, 500_000)
+    assert cfg.not_strict_json is not None and "line 2" in cfg.not_strict_json
+    facts = config_facts(cfg)
+    assert facts.get("config.not_strict_json") == 1.0
+    assert config_facts(DsConfig.from_dict({"train_micro_batch_size_per_gpu": 2})).get("config.not_strict_json") == 0.0
+    written = json.dumps(cfg.with_trial(micro_batch_size=4, gradient_accumulation_steps=2, data_parallel_size=1,
+                                        reduce_bucket_size=None).to_dict())
+    assert json.loads(written)["zero_optimization"]["stage"] == 1  # strict JSON again
+    (tmp_path / "strict.json").write_text(written)
+    assert load_ds_config(tmp_path / "strict.json").not_strict_json is None
+
+
+def test_check_reports_the_leniency_and_refuses_what_deepspeed_refuses(tmp_path):
+    import subprocess
+    import sys
+
+    (tmp_path / "ds.json").write_text(LENIENT)
+    out = subprocess.run([sys.executable, "-m", "autotune", "check", str(tmp_path / "ds.json"), "--format", "json"],
+                         capture_output=True, text=True, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    fired = {f["rule_id"] for f in json.loads(out.stdout)["findings"] if f.get("fired", True)}
+    assert "config-not-strict-json" in fired
+    (tmp_path / "dup.json").write_text('{"train_micro_batch_size_per_gpu": 2, "train_micro_batch_size_per_gpu": 4}')
+    out = subprocess.run([sys.executable, "-m", "autotune", "check", str(tmp_path / "dup.json")],
+                         capture_output=True, text=True, cwd=tmp_path)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.strip().splitlines() == [
+        f"autotune: error: {tmp_path / 'dup.json'}: duplicate keys train_micro_batch_size_per_gpu: "
+        "DeepSpeed refuses such a config"]
 
 
 def test_missing_file(tmp_path):

@@ -6,7 +6,14 @@ from __future__ import annotations
 import json
 
 from autotune.core.space import TrialConfig
-from autotune.core.trial_kind import BASELINE, CHECKPOINT, PARTITION_RECHECK, REMEASURE, Step, TrialKind
+from autotune.core.trial_kind import (
+    BASELINE,
+    CHECKPOINT,
+    PARTITION_RECHECK,
+    REMEASURE,
+    Step,
+    TrialKind,
+)
 from autotune.study.store import Study
 from autotune.tuning.proposers.base import Proposal
 

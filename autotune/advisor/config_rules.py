@@ -55,6 +55,9 @@ def config_facts(cfg: DsConfig, *, stages: int | None = None, world_size: int | 
     values["config.fp16_keys_under_bf16"] = float(len(loss_keys))
     details["config.fp16_keys_under_bf16"] = ", ".join(loss_keys)
 
+    values["config.not_strict_json"] = float(cfg.not_strict_json is not None)
+    details["config.not_strict_json"] = cfg.not_strict_json or ""
+
     timers = [k for k in TIMER_SWITCHES if get_dotted(raw, k)[1] is True]
     values["config.timers_enabled"] = float(len(timers))
     details["config.timers_enabled"] = ", ".join(timers)

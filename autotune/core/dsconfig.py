@@ -8,6 +8,7 @@ patched config round-trips everything the user wrote.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
@@ -51,6 +52,9 @@ class DsConfig:
     zero_stage: int = 0
     reduce_bucket_size: int | None = None
     """`zero_optimization.reduce_bucket_size`, in elements (not bytes)."""
+    not_strict_json: str | None = None
+    """Where the file it was read from leaves strict JSON (comments, trailing commas: the hjson
+    DeepSpeed reads, `load_ds_config`); None: strict JSON, or not read from a file."""
 
     @classmethod
     def from_dict(cls, raw: Any, *, source: str = "ds_config") -> DsConfig:
@@ -183,7 +187,8 @@ def _int_in(d: dict, key: str, source: str, *, lo: int, hi: int, default: int, p
 
 
 def load_ds_config(path: str | Path) -> DsConfig:
-    """Read and parse a ds_config.json; every failure is a one-line ConfigError."""
+    """Read a ds_config file as DeepSpeed does (strict JSON, else its hjson: comments and trailing
+    commas load, and `not_strict_json` says where); every failure is a one-line ConfigError."""
     p = Path(path)
     try:
         text = p.read_text(encoding="utf-8")
@@ -192,7 +197,58 @@ def load_ds_config(path: str | Path) -> DsConfig:
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{p}: cannot read ({exc.__class__.__name__}); pass a UTF-8 JSON file") from None
     try:
-        raw = json.loads(text)
+        raw, lenient = parse_config_text(text)
+    except ConfigError as exc:
+        raise ConfigError(f"{p}: {exc}") from None
+    cfg = DsConfig.from_dict(raw, source=str(p))
+    return dataclasses.replace(cfg, not_strict_json=lenient) if lenient else cfg
+
+
+class _DuplicateKeys(ValueError):
+    pass
+
+
+class _Unreadable(ValueError):
+    pass
+
+
+def _refuse_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """DeepSpeed's own rule (runtime/config_utils.py `dict_raise_error_on_duplicate_keys`)."""
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        names = [k for k, _ in pairs]
+        raise _DuplicateKeys(", ".join(sorted({k for k in names if names.count(k) > 1})))
+    return out
+
+
+def parse_config_text(text: str) -> tuple[Any, str | None]:
+    """A config file's content as DeepSpeed 0.19.8 reads it (runtime/config.py: `hjson.load`,
+    duplicate keys refused), and where it leaves strict JSON (None: it does not); a one-line
+    ConfigError where DeepSpeed could not read it either. Strict JSON is read first: its error
+    names the spot a strict reader (HF Trainer) would stop at."""
+    try:
+        return _parse(text)
+    except _DuplicateKeys as exc:
+        raise ConfigError(f"duplicate keys {exc}: DeepSpeed refuses such a config") from None
+    except _Unreadable as exc:
+        raise ConfigError(f"not valid JSON ({exc}), nor the hjson DeepSpeed also reads") from None
+
+
+def _parse(text: str) -> tuple[Any, str | None]:
+    if not text.strip():
+        raise _Unreadable("the file is empty")  # hjson would read it as {}
+    try:
+        return json.loads(text, object_pairs_hook=_refuse_duplicate_keys), None
     except json.JSONDecodeError as exc:
-        raise ConfigError(f"{p}: not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})") from None
-    return DsConfig.from_dict(raw, source=str(p))
+        where = f"line {exc.lineno}, column {exc.colno}: {exc.msg}"
+    except RecursionError:
+        raise _Unreadable("nested too deeply") from None
+    import hjson  # DeepSpeed's own reader, a dependency of autotune too
+
+    try:
+        raw = hjson.loads(text, object_pairs_hook=_refuse_duplicate_keys)
+    except _DuplicateKeys:
+        raise
+    except (ValueError, RecursionError, OverflowError):  # HjsonDecodeError is a ValueError; 1e999 overflows
+        raise _Unreadable(where) from None
+    return raw, f"not strict JSON from {where} (comments or trailing commas: DeepSpeed reads it as hjson)"

@@ -19,7 +19,6 @@ Each watch writes a new folder OUT/run-NNN (nothing of an earlier watch is overw
 
 from __future__ import annotations
 
-import json
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -28,7 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from autotune.core.errors import InputFileError, UserError
+from autotune.core.dsconfig import parse_config_text
+from autotune.core.errors import ConfigError, InputFileError, UserError
 from autotune.core.fileio import write_atomic
 from autotune.core.options import endpoint_defaults
 from autotune.core.rank_plan import RankPlan
@@ -93,14 +93,13 @@ def prepare(argv: list[str], opts: WatchOptions, *, cwd: Path) -> PreparedWatch:
     cmd = parse_command(argv, cwd=cwd)
     config = cmd.config_path(opts.config, cwd)  # the one rule `autotune run` follows too
     try:
-        raw = json.loads(config.read_text(encoding="utf-8"))
+        raw, _ = parse_config_text(config.read_text(encoding="utf-8"))  # as DeepSpeed reads it
     except FileNotFoundError:
         raise UserError(f"DeepSpeed config {config} not found") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise UserError(f"DeepSpeed config {config}: cannot read ({exc.__class__.__name__})") from None
-    except json.JSONDecodeError as exc:
-        raise UserError(f"DeepSpeed config {config}: not valid JSON (line {exc.lineno}, column {exc.colno}: "
-                        f"{exc.msg})") from None
+    except ConfigError as exc:
+        raise UserError(f"DeepSpeed config {config}: {exc}") from None
     if not isinstance(raw, dict):
         raise UserError(f"DeepSpeed config {config}: not a JSON object")
     check_launcher_installed(cmd)
