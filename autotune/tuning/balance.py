@@ -53,7 +53,7 @@ import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from statistics import fmean
-from typing import Any
+from typing import TYPE_CHECKING
 
 from autotune.core.errors import UserError
 from autotune.core.fileio import write_atomic
@@ -72,6 +72,11 @@ from autotune.trials.contract import TrialRequest
 from autotune.tuning.proposers.base import Proposal
 from autotune.tuning.steps import TrialEnd
 
+if TYPE_CHECKING:
+    from autotune.core.summary import TrialSummary
+    from autotune.rank.layer_costs import LayerCosts
+    from autotune.study.store import TrialRow
+
 THRESHOLD = 1.10
 """Stage work imbalance (max / mean, `work_imbalance`) above which the partition trial runs (the goal of issue 13)."""
 MAX_ROUNDS = 3
@@ -85,7 +90,7 @@ whole margin would be too much: a round starts above `THRESHOLD` (1.10), so at 1
 perfect partition gains only 5-10 %, and such rounds measured +8-11 % (docs/partition.md)."""
 
 
-def work_imbalance(summary: Any) -> float:
+def work_imbalance(summary: TrialSummary) -> float:
     """The stage imbalance a partition decides: of the stages' work (thread CPU time on a CPU,
     where wall time also holds each rank's wait for a core; CUDA events on a GPU)."""
     work = getattr(summary, "stage_work_imbalance", None)
@@ -95,7 +100,7 @@ def work_imbalance(summary: Any) -> float:
 def builtin_equivalent(parts: list[int], costs: list[float], parameters: list[int],
                        stage_fixed: list[float] | None = None, *, tolerance: float = 0.02,
                        names: list[str] | None = None, own: list[int] | None = None,
-                       own_method: str = "the script's own partition_method") -> dict[str, Any]:
+                       own_method: str = "the script's own partition_method") -> dict[str, object]:
     """What a user writes to keep `parts`: nothing, when the partition the job builds by itself
     (`own`, measured at its baseline) is predicted as good (slowest stage within `tolerance`);
     else a built-in partition_method predicted as good; else a `type:REGEX` over the model's
@@ -146,13 +151,13 @@ def builtin_equivalent(parts: list[int], costs: list[float], parameters: list[in
             "builtin_predicted_imbalance": predicted, "text": text}
 
 
-def _config_fields(config: TrialConfig) -> dict[str, Any]:
+def _config_fields(config: TrialConfig) -> dict[str, int | None]:
     return {"micro_batch_size": config.micro_batch_size,
             "gradient_accumulation_steps": config.gradient_accumulation_steps,
             "reduce_bucket_size": config.reduce_bucket_size}
 
 
-def _slowest(summary: Any) -> int:
+def _slowest(summary: TrialSummary) -> int:
     work = getattr(summary, "stage_work_seconds", None)
     return int(max(range(len(work)), key=work.__getitem__)) if work else int(summary.slowest_stage)
 
@@ -179,14 +184,21 @@ class StageBalancer:
         """The parts later trials run with (None: the study's own method)."""
         self.reference: list[float] = []
         """samples/s of the runs in force at the open (or next) round's configuration."""
-        self.runs: list[tuple[int, float | None, Any]] = []
+        self.runs: list[tuple[int, float | None, TrialSummary | None]] = []
         """(trial, samples/s or None: failed, summary) of the open round's candidate runs."""
         self.rounds = 0
         self.bounded = False
         """A plan found one layer setting the pace of every partition at this stage count: no more rounds."""
         self.planned: set[tuple] = set()
         """Configurations a round was planned at (one plan each, refinements aside)."""
-        self.info: dict[str, Any] = {"rounds": []}
+        self.info: dict[str, object] = {}
+        """partition.json's fields besides its rounds and plans (`_write` joins them)."""
+        self.round_records: list[dict[str, object]] = []
+        """partition.json's `rounds`: each round's plan, then its measurement and decision."""
+        self.plan_records: list[dict[str, object]] = []
+        """partition.json's `plans`: each plan's trial, imbalance and outcome."""
+        self.measured_parts: list[int] | None = None
+        """The first plan's parts: measured with the job's own partition."""
         self.outcome = "measuring"
         """What the last plan found (`plans` in partition.json: each plan's trial, imbalance and outcome)."""
         self.layers: tuple[list[float], list[int], list[float]] | None = None
@@ -218,39 +230,39 @@ class StageBalancer:
                     is_best=end.is_best, room=end.room)
 
     def _after(self, number: int, proposal: Proposal, ok: bool, samples_per_second: float | None,
-               summary: Any, *, is_best: bool = False, room: int | None = None) -> None:
+               summary: TrialSummary | None, *, is_best: bool = False, room: int | None = None) -> None:
         """After trial `number`. `is_best`: it made its configuration the study's best so far;
         `room`: trials the budget has left (None: no limit), so that a round is started only
         where its trials fit."""
         source, config = proposal.source, proposal.config
         self._room = 1 << 30 if room is None else room
-        measured = bool(ok and samples_per_second is not None)
+        sps = float(samples_per_second) if ok and samples_per_second is not None else None
         if proposal.kind.is_baseline or source == COSTS:
             self.planned.add(config.key())
-            if measured and summary is not None:
-                self.reference = [float(samples_per_second)]
+            if sps is not None and summary is not None:
+                self.reference = [sps]
                 if proposal.kind.is_baseline:
-                    self.info["baseline_samples_per_second"] = float(samples_per_second)
+                    self.info["baseline_samples_per_second"] = sps
                 self._plan(number, config, summary)
             elif source == COSTS:
                 self.note(f"      partition: trial {number} did not finish; the partition stays as it is")
         elif source in (SOURCE, RECHECK) and self.candidate is not None:
-            self.runs.append((number, float(samples_per_second) if measured else None, summary))
-            if source == SOURCE and measured and self._close(float(samples_per_second)) and self._room_for(RECHECK, 2):
+            self.runs.append((number, sps, summary))
+            if source == SOURCE and sps is not None and self._close(sps) and self._room_for(RECHECK, 2):
                 self.pending = [
                     Proposal(config=config, source=RECHECK,
                              reason=f"the candidate parts {self.candidate} measured within the {self.noise:.0%} noise "
                                     f"margin of the partition in force: measured again (A B B A) before deciding"),
                     Proposal(config=config, source=REFERENCE,
                              reason="the partition in force again, the pair's last run (A B B A)")]
-            elif source == SOURCE or not measured:  # one pair decides; a failed candidate is rejected
+            elif source == SOURCE or sps is None:  # one pair decides; a failed candidate is rejected
                 self.pending = [p for p in self.pending if p.source != REFERENCE]
                 self._decide(config)
         elif source == REFERENCE and self.candidate is not None:
-            if measured:
-                self.reference.append(float(samples_per_second))
+            if sps is not None:
+                self.reference.append(sps)
             self._decide(config)
-        elif (measured and is_best and summary is not None and not self.deciding
+        elif (sps is not None and is_best and summary is not None and not self.deciding
               and self.rounds < MAX_ROUNDS and not self.bounded and config.key() not in self.planned
               and work_imbalance(summary) > THRESHOLD and self._room_for(COSTS, 2)):
             self.planned.add(config.key())
@@ -278,12 +290,12 @@ class StageBalancer:
         return ref > 0 and ties(sps, ref, self.noise)
 
     # -- the decision ------------------------------------------------------------------------
-    def _plan(self, number: int, config: TrialConfig, summary: Any) -> None:
+    def _plan(self, number: int, config: TrialConfig, summary: TrialSummary) -> None:
         from autotune.core.partition import balanced_parts, describe_moves, imbalance, stage_times
         from autotune.rank.layer_costs import memory_model, read_trial_layer_costs
 
         measured = work_imbalance(summary)
-        self.info["plans"] = [*self.info.get("plans", []), {"trial": number, "work_imbalance": measured}]
+        self.plan_records.append({"trial": number, "work_imbalance": measured})
         if measured <= THRESHOLD or self.rounds >= MAX_ROUNDS:
             self._write(outcome="balanced" if measured <= THRESHOLD else "rounds spent")
             return
@@ -304,7 +316,8 @@ class StageBalancer:
             return
         after = stage_times(lc.costs, parts, lc.stage_fixed_seconds)
         moved = describe_moves(lc.parts, parts, lc.names)
-        if "measured_parts" not in self.info:
+        if self.measured_parts is None:
+            self.measured_parts = list(lc.parts)
             self.info.update(measured_parts=lc.parts, measured_imbalance=measured,
                              slowest_stage=_slowest(summary))
             self._say_if_cores_are_shared(lc, summary)
@@ -326,7 +339,7 @@ class StageBalancer:
             self._write(outcome="no trial left in the budget")
             return
         self.candidate, self.runs = parts, []
-        self.info["rounds"].append({
+        self.round_records.append({
             "from_trial": number, "config": _config_fields(config),
             "from_imbalance": measured, "reference_samples_per_second": fmean(self.reference),
             "parts": parts, "moves": moved, "predicted_imbalance": imbalance(after), "predicted_gain": gain})
@@ -343,18 +356,21 @@ class StageBalancer:
         self.rounds += 1
         parts, self.candidate = self.candidate, None
         runs = [s for _, s, _ in self.runs]
-        sps = fmean(runs) if runs and None not in runs else None
+        measured = [s for s in runs if s is not None]
+        sps = fmean(measured) if runs and len(measured) == len(runs) else None
         ref = fmean(self.reference) if self.reference else None
         faster = sps is not None and ref is not None and sps > ref
         work = [work_imbalance(m) for _, _, m in self.runs if m is not None]
-        current = self.info["rounds"][-1]
-        current.update(trial=self.runs[0][0], trials=[n for n, _, _ in self.runs], samples_per_second=sps,
-                       reference_samples_per_second=ref, kept=faster, measured_imbalance=fmean(work) if work else None)
+        measured_imbalance = fmean(work) if work else None
+        self.round_records[-1].update(trial=self.runs[0][0], trials=[n for n, _, _ in self.runs], samples_per_second=sps,
+                                      reference_samples_per_second=ref, kept=faster,
+                                      measured_imbalance=measured_imbalance)
         shown = f"{sps:.1f}" if sps is not None else "a failure"
         abba = len(self.runs) > 1
         if faster:
+            assert parts is not None  # a round was open
             self.kept = parts
-            self.reference = [float(s) for s in runs if s is not None]
+            self.reference = measured
             code = self._in_your_code(parts)
             self.note(f"      partition: parts {parts} kept for the later trials ({shown} against "
                       f"{ref:.1f} samples/s{', means of the A B B A runs' if abba else ''}); in your own code: {code}")
@@ -365,11 +381,11 @@ class StageBalancer:
         self.info.update(parts=self.kept, kept_samples_per_second=fmean(self.reference) if self.kept else None)
         self._write()
         last, _, summary = self.runs[-1]
-        if (faster and summary is not None and current["measured_imbalance"] > THRESHOLD
+        if (faster and summary is not None and measured_imbalance is not None and measured_imbalance > THRESHOLD
                 and self.rounds < MAX_ROUNDS):
             self._plan(last, config, summary)  # still unbalanced: one more round from its own costs
 
-    def _say_if_cores_are_shared(self, lc: Any, summary: Any) -> None:
+    def _say_if_cores_are_shared(self, lc: LayerCosts, summary: TrialSummary) -> None:
         """On a CPU with fewer cores than ranks, every core is busy all the time and a step takes
         about the stages' summed work over the cores, whatever the slowest stage does: a round
         can then read only a tie, and saying so up front beats a verdict that reads like noise.
@@ -387,27 +403,29 @@ class StageBalancer:
         if self.layers is None:
             return f"PARTS = {parts} (docs/partition.md)"
         costs, parameters, fixed = self.layers
-        own = self.info.get("measured_parts")  # the first plan's: measured with the job's own partition
-        advice = builtin_equivalent(parts, costs, parameters, fixed, names=self.names, own=own,
+        advice = builtin_equivalent(parts, costs, parameters, fixed, names=self.names, own=self.measured_parts,
                                     own_method="the script's own partition_method" if self.user_command
                                     else f"partition_method='{self.method}'")
         self.info["in_your_code"] = advice
-        return advice["text"]
+        return str(advice["text"])
 
-    def _write(self, outcome: str | None = None, **fields: Any) -> None:
+    def _write(self, outcome: str | None = None, **fields: object) -> None:
         if outcome is not None:
             self.outcome = outcome
         self.info.update(fields)
-        decided = any("kept" in r for r in self.info["rounds"])
+        decided = any("kept" in r for r in self.round_records)
         self.info["decision"] = ("kept" if self.kept is not None else "rejected" if decided else
                                  "measuring" if self.candidate is not None else self.outcome)
-        if self.info.get("plans"):
-            self.info["plans"][-1]["outcome"] = self.outcome
+        if self.plan_records:
+            self.plan_records[-1]["outcome"] = self.outcome
         self.info["method"] = self.method
-        write_atomic(self.root / RESULT_NAME, json.dumps(self.info, indent=2) + "\n")
+        record = {"rounds": self.round_records, **self.info}
+        if self.plan_records:
+            record["plans"] = self.plan_records
+        write_atomic(self.root / RESULT_NAME, json.dumps(record, indent=2) + "\n")
 
     # -- resume ------------------------------------------------------------------------------
-    def replay(self, finished: Sequence[Any], redo: Sequence[Any], budget: int | None = None) -> None:
+    def replay(self, finished: Sequence[TrialRow], redo: Sequence[TrialRow], budget: int | None = None) -> None:
         """Rebuild the decision from the study's finished trials (a resume), in trial order: each
         step reads the same layer-cost files and the same best-so-far it read when it ran, and
         where the budget's room decided (a recheck, a round), what followed the trial says what
