@@ -104,6 +104,7 @@ class LayerCostSink:
 
             self._handles.append(layer.register_forward_pre_hook(pre))
             self._handles.append(layer.register_forward_hook(post))
+
         def timed(instruction: Instruction, fn: Any) -> Any:
             if instruction.name == _FWD_PASS:
                 return self._timed_forward(fn)

@@ -1,5 +1,5 @@
-"""The built-in workload as a torch.distributed.pipelining job, behind the face of a DeepSpeed
-PipelineEngine that the rank side already reads (issue 28).
+"""The built-in workload as a torch.distributed.pipelining job, behind the engine face the rank
+side reads (issue 28; autotune/rank/engine_face.py).
 
 The probe (autotune/rank/instrument.py), the step budget, the watchdog and the trial loop
 (autotune/rank/workload/train.py `_train`) read the engine face (autotune/rank/engine_face.py):
@@ -101,7 +101,7 @@ class Grid:
 
 
 class TorchPipeEngine:
-    """One rank's stages, schedule and optimizer, with DeepSpeed's engine face (see the module doc)."""
+    """One rank's stages, schedule and optimizer, behind the engine face (see the module doc)."""
 
     def __init__(self, *, stages: list[Any], schedule: Any, optimizer: Any, grid: Grid,
                  micro_batch_size: int, micro_batches: int, device: Any, schedule_name: str,
