@@ -116,6 +116,10 @@ def write(p: Path, data: bytes | str) -> Path:
     ('{"train_micro_batch_size_per_gpu": 1, "zero_optimization": 5}', "zero_optimization"),
     # the built-in workload builds no optimizer: every trial would crash in deepspeed.initialize
     ('{"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 8}', 'no "optimizer" section'),
+    # HF Trainer's placeholders, with no Trainer to fill them (issue 42)
+    ('{"train_micro_batch_size_per_gpu": "auto", "optimizer": {"type": "Adam", "params": {"lr": "auto"}}}',
+     'HF Trainer\'s "auto" at train_micro_batch_size_per_gpu, optimizer.params.lr'),
+    ('{"train_micro_batch_size_per_gpu": 1, "train_micro_batch_size_per_gpu": 2}', "duplicate keys"),
 ])
 def test_run_with_malformed_ds_config(tmp_path, content, needle):
     cfg = write(tmp_path / "ds.json", content)

@@ -83,6 +83,20 @@ def test_a_config_deepspeed_reads_is_read_and_its_leniency_said(tmp_path):
     assert load_ds_config(tmp_path / "strict.json").not_strict_json is None
 
 
+def test_hf_trainers_auto_values_are_found_and_said_by_check():
+    cfg = DsConfig.from_dict({"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": 4,
+                              "optimizer": {"type": "AdamW", "params": {"lr": "auto", "eps": 1e-8}},
+                              "zero_optimization": {"stage": 1, "reduce_bucket_size": "auto"}})
+    assert cfg.hf_auto_keys == ["train_micro_batch_size_per_gpu", "optimizer.params.lr",
+                                "zero_optimization.reduce_bucket_size"]
+    assert cfg.micro_batch_size is None and cfg.reduce_bucket_size is None  # read as not set
+    facts = config_facts(cfg)
+    assert facts.get("config.hf_auto_values") == 3.0
+    with pytest.raises(ConfigError, match="put numbers there to tune this job"):
+        cfg.check_no_hf_auto()
+    DsConfig.from_dict({"train_micro_batch_size_per_gpu": 2}).check_no_hf_auto()  # nothing to refuse
+
+
 def test_check_reports_the_leniency_and_refuses_what_deepspeed_refuses(tmp_path):
     import subprocess
     import sys

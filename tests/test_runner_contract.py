@@ -14,6 +14,7 @@ asserted once for all three:
 - a rank that runs out of memory or is killed ends the trial as a failed outcome with that
   reason, and nothing of it is left running: for the three runners and the torch engine's
   launch (torchrun) too;
+- a Ctrl-C during a trial unwinds through the runner, which stops every rank;
 - after `close()`, nothing of the runner is left running.
 """
 
@@ -163,3 +164,30 @@ def test_a_rank_that_fails_ends_the_trial_with_its_reason_and_leaves_nothing(kin
         (kind, fault, outcome.result.failure_reason, outcome.failure_detail)
     assert outcome.failure_detail
     assert alive_under(tmp_path) == []
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_an_interrupt_during_a_trial_stops_every_rank(kind, tmp_path, monkeypatch):
+    """A Ctrl-C (SIGINT, the tuner's `stop_on_signals`) while a trial's ranks start up unwinds
+    through the runner, which stops every one of them on the way."""
+    import signal
+    import threading
+
+    from autotune.tuning.stop_signals import Stopped, stop_on_signals
+
+    monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    runner = make_runner(kind, tmp_path)
+    started: list[int | None] = []
+
+    def interrupt_soon(proc) -> None:  # the ranks are importing torch and DeepSpeed by then
+        started.append(proc.pgid)
+        threading.Timer(2.0, os.kill, (os.getpid(), signal.SIGINT)).start()
+
+    try:
+        with pytest.raises(Stopped), stop_on_signals():
+            runner.run(TrialRequest(number=0, config=FIRST, trial_dir=tmp_path / "trial-000", timeout=300,
+                                    on_start=interrupt_soon))
+    finally:
+        runner.close()
+    assert started and alive_under(tmp_path) == []

@@ -52,6 +52,17 @@ def test_cli_config_that_cannot_be_parsed_is_exit_2(job):
     assert not (job / "st").exists()
 
 
+def test_cli_hf_auto_values_without_a_trainer_are_exit_2_before_the_start_up_check(job):
+    from autotune.cli.main import cli
+
+    (job / "auto.json").write_text('{"train_micro_batch_size_per_gpu": "auto", // HF Trainer fills it\n}')
+    result = CliRunner().invoke(cli, ["run", "--study", str(job / "st"), "--", "deepspeed",
+                                      str(job / "train.py"), "--deepspeed_config", str(job / "auto.json")])
+    assert result.exit_code == 2, result.output
+    assert 'HF Trainer\'s "auto" at train_micro_batch_size_per_gpu' in result.output
+    assert "start-up check" not in result.output and not (job / "st").exists()
+
+
 def test_cli_launcher_not_on_path_is_exit_2(job, monkeypatch):
     from autotune.cli.main import cli
 

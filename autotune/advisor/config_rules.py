@@ -55,6 +55,10 @@ def config_facts(cfg: DsConfig, *, stages: int | None = None, world_size: int | 
     values["config.fp16_keys_under_bf16"] = float(len(loss_keys))
     details["config.fp16_keys_under_bf16"] = ", ".join(loss_keys)
 
+    auto = cfg.hf_auto_keys
+    values["config.hf_auto_values"] = float(len(auto))
+    details["config.hf_auto_values"] = ", ".join(auto)
+
     values["config.not_strict_json"] = float(cfg.not_strict_json is not None)
     details["config.not_strict_json"] = cfg.not_strict_json or ""
 

@@ -118,6 +118,21 @@ class DsConfig:
                 "parallelism; use stage 1 (ZeRO-1 shards optimizer state and works with pipelines)"
             )
 
+    @property
+    def hf_auto_keys(self) -> list[str]:
+        """The dotted keys set to HF Trainer's "auto" (the Trainer fills them from its arguments;
+        DeepSpeed alone does not read "auto")."""
+        return auto_keys(self.raw)
+
+    def check_no_hf_auto(self) -> None:
+        """Refuse "auto" values where no Trainer fills them: every trial would hand them to DeepSpeed."""
+        keys = self.hf_auto_keys
+        if keys:
+            raise ConfigError(
+                f"HF Trainer's \"auto\" at {', '.join(keys)}: a Trainer fills these from its arguments and "
+                "DeepSpeed alone does not read them; put numbers there to tune this job (autotune does not "
+                "drive an HF Trainer yet)")
+
     def with_trial(self, *, micro_batch_size: int, gradient_accumulation_steps: int,
                    data_parallel_size: int, reduce_bucket_size: int | None,
                    activation_checkpoint_interval: int = 0) -> DsConfig:
@@ -167,6 +182,13 @@ def checkpoint_interval(raw: dict) -> int:
     pipeline = raw.get("pipeline")
     v = pipeline.get("activation_checkpoint_interval", 0) if isinstance(pipeline, dict) else 0
     return v if isinstance(v, int) and not isinstance(v, bool) else 0
+
+
+def auto_keys(raw: object, prefix: str = "") -> list[str]:
+    """Dotted paths of the values that are the string "auto" (HF Trainer's placeholder)."""
+    if isinstance(raw, dict):
+        return [k for key, v in raw.items() for k in auto_keys(v, f"{prefix}{key}.")]
+    return [prefix[:-1]] if raw == "auto" else []
 
 
 def _pos_int(d: dict, key: str, source: str, prefix: str = "") -> int | None:

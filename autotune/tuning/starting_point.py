@@ -7,7 +7,7 @@ which builds its space the same way once it knows the job's stages and dp.
 from __future__ import annotations
 
 from autotune.core.dsconfig import DEEPSPEED_DEFAULT_BUCKET, DsConfig, load_ds_config
-from autotune.core.errors import UserError
+from autotune.core.errors import ConfigError, UserError
 from autotune.core.options import RunOptions
 from autotune.core.space import SearchSpace, TrialConfig
 from autotune.rank.workload.defaults import default_ds_config
@@ -20,6 +20,10 @@ def load_base_config(opts: RunOptions) -> DsConfig:
         cfg = DsConfig.from_dict(default_ds_config(dp), source="built-in default")
     else:
         cfg = load_ds_config(opts.config)
+        try:
+            cfg.check_no_hf_auto()  # the built-in workload has no Trainer to fill them
+        except ConfigError as exc:
+            raise ConfigError(f"{opts.config}: {exc}") from None
     cfg.check_pipeline()
     cfg.resolve_batch(dp)  # raises with the arithmetic when impossible
     return cfg

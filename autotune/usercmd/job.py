@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from autotune.core.dsconfig import DsConfig, load_ds_config
-from autotune.core.errors import UserError
+from autotune.core.errors import ConfigError, UserError
 from autotune.core.space import SearchSpace
 from autotune.study.job_record import META_KEY, describe_job
 from autotune.trials.multinode import resolve_cluster
@@ -164,6 +164,10 @@ def prepare_user_job(opts: RunOptions, argv: list[str], note: Callable[[str], No
                                                  if cluster.multi_node else ""))
     config = cmd.config_path(opts.config, cwd)
     base = load_ds_config(config)  # missing or unparseable: one line, exit 2
+    try:
+        base.check_no_hf_auto()  # before the start-up check: the job would hand them to DeepSpeed
+    except ConfigError as exc:
+        raise ConfigError(f"{config}: {exc}") from None
     base.check_pipeline()
     check_precision(base)  # before starting the job: every trial would fail alike
     note("start-up check: running the command once, up to deepspeed.initialize, to read the "
