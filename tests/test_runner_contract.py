@@ -14,7 +14,7 @@ asserted once for all three:
 - a rank that runs out of memory or is killed ends the trial as a failed outcome with that
   reason, and nothing of it is left running: for the three runners and the torch engine's
   launch (torchrun) too;
-- a Ctrl-C during a trial unwinds through the runner, which stops every rank;
+- a Ctrl-C while a trial's ranks step unwinds through the runner, which stops every rank;
 - after `close()`, nothing of the runner is left running.
 """
 
@@ -168,26 +168,37 @@ def test_a_rank_that_fails_ends_the_trial_with_its_reason_and_leaves_nothing(kin
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_an_interrupt_during_a_trial_stops_every_rank(kind, tmp_path, monkeypatch):
-    """A Ctrl-C (SIGINT, the tuner's `stop_on_signals`) while a trial's ranks start up unwinds
-    through the runner, which stops every one of them on the way."""
+    """A Ctrl-C (SIGINT, the tuner's `stop_on_signals`) while a trial's ranks step unwinds through
+    the runner, which stops every one of them on the way. The ranks hang at their third step (the
+    `hang` fault) so the interrupt lands there, past the ops' load: a rank killed while it holds
+    torch's extension lock would cost the next launch its stale-lock wait."""
     import signal
     import threading
+    import time
 
     from autotune.tuning.stop_signals import Stopped, stop_on_signals
 
     monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
-    runner = make_runner(kind, tmp_path)
-    started: list[int | None] = []
+    monkeypatch.setenv("CONTRACT_FAULT", "hang")
+    runner = make_runner(kind, tmp_path, fault="hang")
+    trial_dir = tmp_path / "trial-000"
+    sent: list[float] = []
 
-    def interrupt_soon(proc) -> None:  # the ranks are importing torch and DeepSpeed by then
-        started.append(proc.pgid)
-        threading.Timer(2.0, os.kill, (os.getpid(), signal.SIGINT)).start()
+    def interrupt_once_stepping() -> None:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            csvs = list(trial_dir.glob("metrics-rank*.csv"))
+            if csvs and all(len(p.read_text().splitlines()) >= 2 for p in csvs):  # a step recorded on every rank
+                sent.append(time.monotonic())
+                os.kill(os.getpid(), signal.SIGINT)
+                return
+            time.sleep(0.1)
 
+    threading.Thread(target=interrupt_once_stepping, daemon=True).start()
     try:
         with pytest.raises(Stopped), stop_on_signals():
-            runner.run(TrialRequest(number=0, config=FIRST, trial_dir=tmp_path / "trial-000", timeout=300,
-                                    on_start=interrupt_soon))
+            runner.run(TrialRequest(number=0, config=FIRST, trial_dir=trial_dir, timeout=300))
     finally:
         runner.close()
-    assert started and alive_under(tmp_path) == []
+    assert sent and alive_under(tmp_path) == []
