@@ -38,26 +38,27 @@ def test_cli_placeholder_without_config_option_is_exit_2(job):
     assert not (job / "st").exists()
 
 
-def test_cli_config_that_cannot_be_parsed_is_exit_2(job):
+def _run_with_config(job, name: str):
+    """`autotune run -- deepspeed train.py --deepspeed_config JOB/NAME` in-process."""
     from autotune.cli.main import cli
 
+    return CliRunner().invoke(cli, ["run", "--study", str(job / "st"), "--", "deepspeed",
+                                    str(job / "train.py"), "--deepspeed_config", str(job / name)])
+
+
+def test_cli_config_that_cannot_be_parsed_is_exit_2(job):
     (job / "bad.json").write_text("{not json")
-    result = CliRunner().invoke(cli, ["run", "--study", str(job / "st"), "--", "deepspeed",
-                                      str(job / "train.py"), "--deepspeed_config", str(job / "bad.json")])
+    result = _run_with_config(job, "bad.json")
     assert result.exit_code == 2, result.output
     assert "not valid JSON" in result.output
-    missing = CliRunner().invoke(cli, ["run", "--study", str(job / "st"), "--", "deepspeed",
-                                       str(job / "train.py"), "--deepspeed_config", str(job / "nope.json")])
+    missing = _run_with_config(job, "nope.json")
     assert missing.exit_code == 2 and "no such file" in missing.output
     assert not (job / "st").exists()
 
 
 def test_cli_hf_auto_values_without_a_trainer_are_exit_2_before_the_start_up_check(job):
-    from autotune.cli.main import cli
-
     (job / "auto.json").write_text('{"train_micro_batch_size_per_gpu": "auto", // HF Trainer fills it\n}')
-    result = CliRunner().invoke(cli, ["run", "--study", str(job / "st"), "--", "deepspeed",
-                                      str(job / "train.py"), "--deepspeed_config", str(job / "auto.json")])
+    result = _run_with_config(job, "auto.json")
     assert result.exit_code == 2, result.output
     assert 'HF Trainer\'s "auto" at train_micro_batch_size_per_gpu' in result.output
     assert "start-up check" not in result.output and not (job / "st").exists()

@@ -196,11 +196,12 @@ def observe_study(root: str | Path) -> list[Observation]:
         if row.status != "ok" or not row.summary or not row.samples_per_second:
             continue
         s = row.summary
+        zero = _trial_zero_section(root / f"trial-{row.number:03d}")  # its ds_config.json, read once
         config = {"micro_batch_size": row.config.micro_batch_size,
                   "gradient_accumulation_steps": row.config.gradient_accumulation_steps,
-                  "reduce_bucket_size": _bucket(root / f"trial-{row.number:03d}", row.config.reduce_bucket_size),
+                  "reduce_bucket_size": _bucket(zero, row.config.reduce_bucket_size),
                   "step_seconds": s.get("step_seconds"), "samples_per_second": row.samples_per_second,
-                  "zero_stage": _zero_stage(root / f"trial-{row.number:03d}")}
+                  "zero_stage": _zero_stage(zero)}
         if not config["step_seconds"] or not math.isfinite(config["step_seconds"]):
             continue
         obs = observe_trial(root / f"trial-{row.number:03d}", row.number, config,
@@ -222,19 +223,17 @@ def _trial_zero_section(trial_dir: Path) -> dict | None:
     return zero if isinstance(zero, dict) else ({} if isinstance(raw, dict) else None)
 
 
-def _zero_stage(trial_dir: Path) -> int | None:
+def _zero_stage(zero: dict | None) -> int | None:
     """The ZeRO stage the trial ran (DeepSpeed's default 0 where its config sets none)."""
-    zero = _trial_zero_section(trial_dir)
     if zero is None:
         return None
     v = zero.get("stage", 0)
     return int(v) if isinstance(v, int) and not isinstance(v, bool) else None
 
 
-def _bucket(trial_dir: Path, bucket: int | None) -> int | None:
-    """The bucket the trial's ds_config.json set (the trial's own value, else the config's)."""
+def _bucket(zero: dict | None, bucket: int | None) -> int | None:
+    """The bucket the trial ran with (the trial's own value, else its ds_config.json's)."""
     if bucket is not None:
         return bucket
-    zero = _trial_zero_section(trial_dir)
     v = zero.get("reduce_bucket_size") if isinstance(zero, dict) else None
     return int(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None

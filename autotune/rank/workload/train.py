@@ -131,12 +131,13 @@ def run_trial(spec: TrialSpec, *, release: bool = False, watchdog=None) -> Trial
     )
     wiring = None
     try:
-        if wl.slow_stage is not None and layout_of(engine).stage == wl.slow_stage:
+        layout = layout_of(engine)
+        if wl.slow_stage is not None and layout.stage == wl.slow_stage:
             stretch_compute(engine, wl.slow_factor, wl.slow_every)  # before the probe: the probe times it
         wiring = wire(engine, spec.plan, seq_length=preset.seq_length)  # probe, records, endpoint, budget
         tokens = (None if user_batches is not None else load_token_file(wl.tokens, preset.vocab_size)
                   if wl.tokens else synthetic_tokens(preset.vocab_size, 200_000, seed=wl.seed))
-        dp_rank = layout_of(engine).data_parallel_rank
+        dp_rank = layout.data_parallel_rank
         micro = engine.train_micro_batch_size_per_gpu()
         data = (iter(user_batches(micro, wl.seed + dp_rank)) if user_batches is not None
                 else batches(tokens, micro_batch=micro, seq=preset.seq_length, seed=wl.seed + dp_rank))
