@@ -248,7 +248,7 @@ class RankExporter:
         yield from gauge("autotune_bubble_measured_ratio",
                          "This rank's idle share of the pipeline schedule in the last step.",
                          bubble_fraction(r.compute_seconds, r.step_seconds, r.optimizer_seconds or 0.0)
-                         if r.step_seconds > 0 else None)
+                         if r.step_seconds > 0 and r.pipeline_stages > 1 else None)  # no pipeline: absent
         yield from gauge("autotune_bubble_ideal_ratio",
                          "1F1B ideal bubble (p-1)/(m+p-1), m = gradient accumulation steps.",
                          _ideal(r))
@@ -285,6 +285,8 @@ class RankExporter:
 
 
 def _ideal(r: StepRecord) -> float | None:
+    if r.pipeline_stages < 2:  # a plain engine has no bubble: absent, not 0
+        return None
     try:
         return ideal_bubble_fraction(r.pipeline_stages, r.gradient_accumulation_steps)
     except ValueError:

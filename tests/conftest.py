@@ -95,6 +95,13 @@ def fault_study(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def zero_study(tmp_path_factory):
+    from shared_studies import run_zero_study
+
+    return run_zero_study(tmp_path_factory.mktemp("zero-study"))
+
+
+@pytest.fixture(scope="session")
 def usercmd_study(tmp_path_factory):
     from shared_studies import run_usercmd_study
 

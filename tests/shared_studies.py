@@ -11,6 +11,8 @@ value (folders, exit code, output); a test that changes a study works on `copy_s
   (autotune/core/faults.py) and the checkpoint step after the out-of-memory one.
 - `usercmd_study`: `autotune run -- deepspeed examples/pipeline_train.py ...`, the user's
   script unchanged, budget 3, with the layer-cost hooks, given parts and a 2-step trace.
+- `zero_study`: `autotune run --engine zero`, the built-in decoder as a plain DeepSpeedEngine
+  (ZeRO-2, 2 data-parallel ranks, warm workers), budget 4.
 """
 
 from __future__ import annotations
@@ -119,6 +121,18 @@ def run_usercmd_study(root: Path) -> SharedStudy:
     return _run(root, "--budget", "3", "--steps", "2", "--warmup-steps", "1", "--fixed-steps",
                 "--trial-timeout", "600", "--layer-costs", "--partition-method", USER_PARTS,
                 "--trace-steps", str(TRACE_STEPS), command=command, env=user_env())
+
+
+ZERO_STAGE = 2
+"""The ZeRO study's stage: the gradients partitioned, reduced while the backward runs."""
+
+
+def run_zero_study(root: Path) -> SharedStudy:
+    """`autotune run --engine zero`: the built-in decoder as a plain DeepSpeedEngine with ZeRO-2 on
+    2 data-parallel ranks, warm workers, budget 4, 2 measured steps each."""
+    cfg = write_config(root, train_batch_size=16, zero_optimization={"stage": ZERO_STAGE})
+    return _run(root, "--engine", "zero", "--config", str(cfg), "--budget", "4", "--steps", "2",
+                "--warmup-steps", "1", "--fixed-steps", "--no-metrics")
 
 
 def copy_study(shared: SharedStudy, dest: Path) -> Path:

@@ -13,7 +13,8 @@ from autotune.core.errors import UserError
 from autotune.core.options import RunOptions, WorkloadOptions
 from autotune.core.space import TrialConfig
 from autotune.engines.registry import DEFAULT, ENGINES, engine_named
-from autotune.rank.engine_face import DEEPSPEED_CATEGORY
+from autotune.rank.collectives import COLLECTIVES
+from autotune.rank.engine_face import COLLECTIVE, DEEPSPEED_CATEGORY, PLAIN_ENGINE_PHASES
 from autotune.trials.builtin import BuiltinRunner, WarmRunner, builtin_runner
 from autotune.trials.contract import TrialRequest
 from autotune.trials.launcher import DEEPSPEED_STYLE, TORCHRUN_STYLE, LaunchSpec, build_command
@@ -53,7 +54,7 @@ def _tmp():
 
 
 def test_an_unknown_engine_is_one_line_naming_the_engines():
-    with pytest.raises(UserError, match="--engine 'jax': use deepspeed or torch"):
+    with pytest.raises(UserError, match="--engine 'jax': use deepspeed or zero or torch"):
         engine_named("jax")
 
 
@@ -152,8 +153,12 @@ def test_one_ds_config_for_every_runner_and_what_the_rank_reads_of_deepspeeds_en
         "print('wrapped', ','.join(sorted(f'{i.name}={i.category}' for i in seen)), '_INSTRUCTION_MAP' in vars(pipe))\n"
         "undo()\n"
         "print('undone', '_INSTRUCTION_MAP' in vars(pipe))\n"
-        "instructions_of(plain).wrap(lambda i, fn: none.append(i) or fn)\n"
-        "print('plainwrapped', len(none))\n")
+        "from deepspeed.comm import comm\n"
+        "undo = instructions_of(plain).wrap(lambda i, fn: none.append(i) or fn)\n"
+        "print('plainwrapped', ','.join(sorted(f'{i.name}={i.category}' for i in none)), "
+        "'forward' in vars(plain), 'all_reduce' in vars(comm.cdb))\n"
+        "undo()\n"
+        "print('plainundone', 'forward' in vars(plain), 'all_reduce' in vars(comm.cdb))\n")
     from autotune.trials.launcher import free_port, remove_shm_buffers
 
     port = free_port()
@@ -176,7 +181,13 @@ def test_one_ds_config_for_every_runner_and_what_the_rank_reads_of_deepspeeds_en
     # instruction in its category, wrapped on the instance (the class's map untouched) and undone
     wrapped = dict(pair.split("=") for pair in lines["wrapped"].split()[1].split(","))
     assert wrapped == DEEPSPEED_CATEGORY and lines["wrapped"].endswith("True"), lines["wrapped"]
-    assert lines["undone"] == "undone False" and lines["plainwrapped"] == "plainwrapped 0"
+    assert lines["undone"] == "undone False"
+    # a plain engine's: its phases and the ZeRO collectives of DeepSpeed's backend, on the
+    # instances (the engine's, the backend object's), and undone
+    plain = dict(pair.split("=") for pair in lines["plainwrapped"].split()[1].split(","))
+    assert {k: plain[k] for k in PLAIN_ENGINE_PHASES} == PLAIN_ENGINE_PHASES, plain
+    assert {k for k, v in plain.items() if v == COLLECTIVE} == set(COLLECTIVES), plain
+    assert lines["plainwrapped"].endswith("True True") and lines["plainundone"] == "plainundone False False"
 
 
 def test_the_torch_engine_declares_its_instructions_in_the_probes_categories():

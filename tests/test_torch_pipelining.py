@@ -97,7 +97,7 @@ def test_the_micro_batch_counts_refused_are_the_ones_torchs_constructors_refuse(
     (["--engine", "torch", "--virtual-stages", "3", "--schedule", "Interleaved1F1B"],
      "--virtual-stages 3: 2 ranks x 3 stages per rank = 6 stages do not divide the model's 4 decoder layers"),
     (["--engine", "torch", "--stages", "4", "--schedule", "ZBVZeroBubble"], "8 stages do not divide"),
-    (["--engine", "jax"], "--engine 'jax': use deepspeed or torch"),
+    (["--engine", "jax"], "--engine 'jax': use deepspeed or zero or torch"),
     (["--schedule", "GPipe"], "add --engine torch"),
     (["--engine", "torch", "--hostfile", "hosts"], "several nodes"),
     (["--engine", "torch", "--trace-steps", "2"], "--trace-steps: not available under --engine torch yet"),

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from autotune.core.summary import TrialSummary
+from autotune.core.summary import NOT_A_PIPELINE, PIPELINE_ONLY, TrialSummary
 
 # Signals derived from measurements (metrics CSV, nvidia-smi, Prometheus export).
 METRIC_SIGNALS: frozenset[str] = frozenset({
@@ -131,7 +131,9 @@ def from_summary(s: TrialSummary, *, oom: bool | None = None,
         "imbalance_idle_fraction": s.imbalance_idle_fraction,
         "bubble_fraction_measured": s.bubble_fraction_measured,
         "bubble_fraction_ideal": s.bubble_fraction_ideal,
-        "bubble_fraction_excess": s.bubble_fraction_measured - s.bubble_fraction_ideal,
+        "bubble_fraction_excess": (s.bubble_fraction_measured - s.bubble_fraction_ideal
+                                   if s.bubble_fraction_measured is not None and s.bubble_fraction_ideal is not None
+                                   else None),
         "stage_compute_imbalance": s.stage_compute_imbalance,
         "step_time_jitter": s.step_time_jitter if s.steps > 1 else None,
         "samples_per_second": s.samples_per_second,
@@ -150,16 +152,17 @@ def from_summary(s: TrialSummary, *, oom: bool | None = None,
             if r.device_utilization_fluctuation is not None],
         "comm_compute_ratio": [RankValue(r.comm_compute_ratio, r.rank, r.stage) for r in s.ranks
                                if r.comm_compute_ratio is not None],
-        "bubble_fraction_measured": [RankValue(r.bubble_fraction, r.rank, r.stage) for r in s.ranks],
-        "bubble_fraction_excess": [RankValue(r.bubble_fraction - s.bubble_fraction_ideal, r.rank, r.stage)
-                                   for r in s.ranks],
-        # The bottleneck stage and every rank on it (the evidence names them).
-        "stage_compute_imbalance": [RankValue(s.stage_compute_imbalance, r.rank, r.stage)
-                                    for r in s.ranks if r.stage == s.slowest_stage]
-        or [RankValue(s.stage_compute_imbalance, None, s.slowest_stage)],
         "host_bound_fraction": [RankValue(r.host_bound_fraction, r.rank, r.stage) for r in s.ranks
                                 if r.host_bound_fraction is not None],
     }
+    if s.bubble_fraction_ideal is not None and s.stage_compute_imbalance is not None:  # a pipeline job
+        ideal, imbalance = s.bubble_fraction_ideal, s.stage_compute_imbalance
+        per_rank["bubble_fraction_measured"] = [RankValue(r.bubble_fraction, r.rank, r.stage) for r in s.ranks]
+        per_rank["bubble_fraction_excess"] = [RankValue(r.bubble_fraction - ideal, r.rank, r.stage) for r in s.ranks]
+        # The bottleneck stage and every rank on it (the evidence names them).
+        per_rank["stage_compute_imbalance"] = ([RankValue(imbalance, r.rank, r.stage)
+                                                for r in s.ranks if r.stage == s.slowest_stage]
+                                               or [RankValue(imbalance, None, s.slowest_stage)])
     unavailable = {
         "memory_fragmentation_ratio": FRAGMENTATION_NOT_AVAILABLE,
         "host_bound_fraction": HOST_BOUND_NOT_AVAILABLE,
@@ -172,7 +175,9 @@ def from_summary(s: TrialSummary, *, oom: bool | None = None,
         "transfer_compute_ratio": "no compute time recorded",
         "reduce_bucket_size": "not set, or has no effect in this run",
     }
-    details = {"stage_compute_imbalance": stage_share_text(s)}
+    if s.pipeline_stages < 2:
+        unavailable.update(dict.fromkeys(PIPELINE_ONLY, NOT_A_PIPELINE))
+    details = {"stage_compute_imbalance": stage_share_text(s)} if s.pipeline_stages > 1 else {}
     name = subject or (f"trial {s.trial}" if s.trial >= 0 else "this run (outside a study)")
     return SignalSet(subject=name, kind="metrics",
                      trial=s.trial if s.trial >= 0 else None, values=values,

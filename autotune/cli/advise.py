@@ -21,6 +21,7 @@ from autotune.advisor.render import print_table, to_json
 from autotune.core.dsconfig import DsConfig, load_ds_config
 from autotune.core.errors import UserError
 from autotune.core.fileio import write_atomic
+from autotune.core.summary import NOT_A_PIPELINE
 from autotune.loaders.detect import NVIDIA_SMI, TRACE
 from autotune.trials.precision import requested_precisions
 
@@ -97,6 +98,9 @@ def advise_command(metrics: tuple[str, ...], config_path: str | None, stages: in
         ctx["stages"] = stages
     if cfg is not None and loaded.layout is not None:  # a trace knows its stages and world, not its batch
         ctx["stages"], ctx["world_size"] = loaded.layout
+    if any(sig.unavailable.get("bubble_fraction_measured") == NOT_A_PIPELINE for sig in loaded.subjects):
+        notes.append(f"bubble, stage imbalance and point-to-point: {NOT_A_PIPELINE} (no stages), so no "
+                     "pipeline rule applies")
     findings = evaluate(loaded.subjects, ds_config=cfg, rules=rules, context=ctx)
     if write_path and cfg is not None:
         _write_json_atomic(Path(write_path), patch_config(cfg, findings))

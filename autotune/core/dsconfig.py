@@ -154,7 +154,7 @@ class DsConfig:
         return copy.deepcopy(self.raw)
 
 
-def reduce_bucket_inert(zero_stage: int, data_parallel_size: int | None) -> str | None:
+def reduce_bucket_inert(zero_stage: int, data_parallel_size: int | None, *, pipeline: bool = True) -> str | None:
     """Why `zero_optimization.reduce_bucket_size` cannot change a pipeline run's speed here,
     or None where it acts: only with ZeRO-1 and dp > 1.
 
@@ -164,17 +164,22 @@ def reduce_bucket_inert(zero_stage: int, data_parallel_size: int | None) -> str 
     "Bucket sizes"). `data_parallel_size` None: not known, so the bucket may act. Memory is
     another matter: ZeRO-1 allocates the bucket's buffer every step even with dp = 1
     (advisor/config_rules.py, `config.zero1_bucket_buffer_bytes`).
+
+    `pipeline=False`, a plain DeepSpeedEngine (docs/zero-facts.md): ZeRO-1, 2 and 3 all bucket
+    their reduction by reduce_bucket_size; ZeRO-0 all-reduces in fixed 5e8-element buffers
+    (`allreduce_gradients`' default, `MEMORY_OPT_ALLREDUCE_SIZE`, deepspeed/runtime/engine.py).
     """
-    if zero_stage != 1:
+    if zero_stage == 0 or (pipeline and zero_stage != 1):
         return "ZeRO-0 uses a fixed 5e8-element bucket"
     if data_parallel_size is not None and data_parallel_size < 2:
         return "dp = 1 has no gradient reduction"
     return None
 
 
-def reduce_bucket_acts(zero_stage: int, data_parallel_size: int | None) -> bool:
-    """Whether reduce_bucket_size changes the run's speed: ZeRO-1 and dp > 1 (`reduce_bucket_inert`)."""
-    return reduce_bucket_inert(zero_stage, data_parallel_size) is None
+def reduce_bucket_acts(zero_stage: int, data_parallel_size: int | None, *, pipeline: bool = True) -> bool:
+    """Whether reduce_bucket_size changes the run's speed: ZeRO-1 and dp > 1 under a pipeline,
+    ZeRO-1 to 3 and dp > 1 on a plain engine (`reduce_bucket_inert`)."""
+    return reduce_bucket_inert(zero_stage, data_parallel_size, pipeline=pipeline) is None
 
 
 def checkpoint_interval(raw: dict) -> int:

@@ -47,7 +47,8 @@ class WorkloadOptions:
 
     preset: str = option("tiny", "Workload: tiny, small, medium (compute-bound on a CPU), wide-vocab (LM-head-heavy), llama-7b, llama-13b.",
                          group="workload")
-    pipeline_stages: int = option(2, "Pipeline stages.", flag="--stages", lo=2, hi=1024, group="workload")
+    pipeline_stages: int = option(2, "Pipeline stages (at least 2 for a pipeline engine; --engine zero has "
+                                  "none: 1).", flag="--stages", lo=1, hi=1024, group="workload")
     data_parallel_size: int = option(2, "Data-parallel degree (ranks = stages x dp).", flag="--dp",
                                      lo=1, hi=1024, group="workload")
     steps: int = option(6, "Measured steps per trial: the minimum with --adaptive-steps, the exact count "
@@ -93,9 +94,10 @@ class WorkloadOptions:
     workers: str = option("warm", "Trial processes: warm (the ranks stay alive between trials, a fresh "
                           "engine per trial; docs/warm-workers.md) or fresh (a new launch per trial).",
                           group="workload")
-    engine: str = option("deepspeed", "Pipeline engine of the built-in workload: deepspeed (DeepSpeed's "
-                         "PipelineEngine) or torch (torch.distributed.pipelining, launched by torchrun; "
-                         "docs/torch-pipelining.md).", group="workload")
+    engine: str = option("deepspeed", "Engine of the built-in workload: deepspeed (DeepSpeed's "
+                         "PipelineEngine), zero (a plain DeepSpeedEngine with ZeRO, every rank a data-parallel "
+                         "replica: --dp ranks, no stages; docs/zero.md) or torch (torch.distributed.pipelining, "
+                         "launched by torchrun; docs/torch-pipelining.md).", group="workload")
     schedule: str = option("1F1B", "With --engine torch: the baseline's schedule (GPipe, 1F1B, Interleaved1F1B, "
                            "LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV); the study then "
                            "measures each other one the layout fits.", group="workload")

@@ -95,7 +95,7 @@ class SearchSpace:
         gas_min: int = 1, gas_max: int = 32, powers_of_two_only: bool = True,
         bucket_min: int = 10_000, bucket_max: int = 500_000_000,
         min_global_batch: int = 1, max_global_batch: int | None = None,
-        model_parameters: int | None = None,
+        model_parameters: int | None = None, pipeline: bool = True,
     ) -> SearchSpace:
         for name, v in (("micro-min", micro_min), ("micro-max", micro_max), ("gas-min", gas_min),
                         ("gas-max", gas_max), ("bucket-min", bucket_min), ("bucket-max", bucket_max)):
@@ -110,19 +110,20 @@ class SearchSpace:
         p, dp = pipeline_stages, data_parallel_size
         pick = powers_of_two if powers_of_two_only else (lambda lo, hi: list(range(lo, hi + 1)))
         saturation = None
-        inert = reduce_bucket_inert(zero_stage, dp)
+        inert = reduce_bucket_inert(zero_stage, dp, pipeline=pipeline)
+        where = "ZeRO-1, dp > 1" if pipeline else f"ZeRO-{zero_stage}, dp > 1"
         if inert is None:
             bucket: tuple[int, int] | None = (bucket_min, bucket_max)
-            note = "reduce_bucket_size searched (ZeRO-1, dp > 1)"
+            note = f"reduce_bucket_size searched ({where})"
             top = ceil_bucket(model_parameters) if model_parameters else None
             if top is not None and bucket_min < top < bucket_max:
                 bucket, saturation = (bucket_min, top), top
-                note = (f"reduce_bucket_size searched in [{fmt_bucket(bucket_min)}, {fmt_bucket(top)}] (ZeRO-1, dp > 1): "
+                note = (f"reduce_bucket_size searched in [{fmt_bucket(bucket_min)}, {fmt_bucket(top)}] ({where}): "
                         f"the model has {model_parameters:,} parameters, so a larger bucket reduces "
                         "the same single bucket and only allocates a larger buffer every step")
         else:
             bucket = None
-            note = f"reduce_bucket_size not searched: {inert} under pipeline parallelism"
+            note = f"reduce_bucket_size not searched: {inert}" + (" under pipeline parallelism" if pipeline else "")
         if global_batch is not None:
             if global_batch < 1 or global_batch % dp:
                 raise UserError(f"--global-batch {global_batch} is not a positive multiple of dp {dp}")

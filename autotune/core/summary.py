@@ -24,6 +24,13 @@ from autotune.core.errors import InputFileError
 from autotune.core.schema import StepRecord
 from autotune.core.step_budget import median_interval
 
+NOT_A_PIPELINE = "not a pipeline job"
+"""Why a job with one stage (a plain DeepSpeedEngine) has no bubble, stage imbalance or
+point-to-point signal: absent, said in these words (shared/docs/design.md)."""
+PIPELINE_ONLY = ("bubble_fraction_measured", "bubble_fraction_ideal", "bubble_fraction_excess",
+                 "stage_compute_imbalance", "imbalance_idle_fraction")
+"""The signals only a pipeline job has."""
+
 
 def ideal_bubble_fraction(stages: int, micro_batches: int) -> float:
     """1F1B idle share of a stage: (p-1)/(m+p-1)."""
@@ -147,11 +154,12 @@ class TrialSummary:
     comm_compute_ratio_mean: float | None
     transfer_compute_ratio: float | None
     """The same as comm_compute_ratio since schema 2 (kept for rule files that name it)."""
-    bubble_fraction_measured: float
-    """Mean over ranks of the idle share of the pipeline schedule (`bubble_fraction`; compare with the ideal)."""
-    bubble_fraction_ideal: float
-    stage_compute_imbalance: float
-    """max / mean of per-stage mean forward+backward seconds (1.0 = balanced)."""
+    bubble_fraction_measured: float | None
+    """Mean over ranks of the idle share of the pipeline schedule (`bubble_fraction`; compare with
+    the ideal); None for a job that is not a pipeline (`NOT_A_PIPELINE`), never 0."""
+    bubble_fraction_ideal: float | None
+    stage_compute_imbalance: float | None
+    """max / mean of per-stage mean forward+backward seconds (1.0 = balanced); None: not a pipeline."""
     slowest_stage: int
     stage_compute_seconds: list[float]
     memory_fragmentation_ratio: float | None
@@ -370,6 +378,7 @@ def _summarize_trial(c: Columns, source: str) -> TrialSummary | None:
         ideal = ideal_bubble_fraction(stages, gas)
     except ValueError as exc:
         raise InputFileError(f"{source}: trial {int(first['trial'])}: {exc}") from None
+    pipeline = stages > 1  # a plain engine's one "stage" has no bubble and no imbalance: absent
     median_sps = float(np.median(sps))
     median_step = float(np.median(step_secs))
     bucket = first.get("reduce_bucket_size", math.nan)
@@ -394,11 +403,12 @@ def _summarize_trial(c: Columns, source: str) -> TrialSummary | None:
         peer_wait_fraction=max(r.wait_fraction for r in rank_rows) if rank_rows else None,
         peer_wait_fraction_mean=float(np.mean([r.wait_fraction for r in rank_rows])) if rank_rows else None,
         imbalance_idle_fraction=float(np.mean([max(stage_means) - c for c in stage_means]) / median_step)
-        if median_step > 0 else None,
+        if median_step > 0 and pipeline else None,
         metrics_schema=_schema(m),
-        bubble_fraction_measured=float(np.mean([r.bubble_fraction for r in rank_rows])),
-        bubble_fraction_ideal=ideal,
-        stage_compute_imbalance=imbalance, slowest_stage=slowest, stage_compute_seconds=stage_means,
+        bubble_fraction_measured=float(np.mean([r.bubble_fraction for r in rank_rows])) if pipeline else None,
+        bubble_fraction_ideal=ideal if pipeline else None,
+        stage_compute_imbalance=imbalance if pipeline else None, slowest_stage=slowest,
+        stage_compute_seconds=stage_means,
         stage_work_seconds=work_means, stage_work_imbalance=work_imbalance,
         memory_fragmentation_ratio=max(frag) if frag else None,
         memory_peak_bytes=_nanmax(m, "memory_peak_bytes"),

@@ -54,3 +54,12 @@ class Engine(Protocol):
     def describe(self, opts: RunOptions) -> str:
         """This engine's part of the job in words: "" for the default engine, else "; engine: ..."."""
         ...
+
+
+def require_stages(stages: int) -> None:
+    """A pipeline engine's one line for `--stages 1` (a plain engine has no stages: `--engine zero`)."""
+    from autotune.core.errors import UserError
+
+    if stages < 2:
+        raise UserError(f"--stages {stages}: a pipeline needs at least 2 stages; --engine zero trains the "
+                        "whole model on every rank")

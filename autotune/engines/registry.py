@@ -5,9 +5,10 @@ from __future__ import annotations
 from autotune.core.errors import UserError
 from autotune.engines.base import Engine
 from autotune.engines.deepspeed_pipe.engine import DeepSpeedPipeline
+from autotune.engines.deepspeed_zero.engine import DeepSpeedZero
 from autotune.engines.torch_pipe.engine import TorchPipelining
 
-ENGINES: dict[str, Engine] = {e.name: e for e in (DeepSpeedPipeline(), TorchPipelining())}
+ENGINES: dict[str, Engine] = {e.name: e for e in (DeepSpeedPipeline(), DeepSpeedZero(), TorchPipelining())}
 DEFAULT = "deepspeed"
 
 

@@ -12,7 +12,9 @@ What the probe times is declared here too: an engine's instructions, each with i
 probe's category, as an `InstructionTable` the probe, the layer-cost hooks, the trace labels and
 the built-in workload's slowdown wrap (`instructions_of`). A `PipelineEngine`'s table is its
 `_INSTRUCTION_MAP`, read here and nowhere else; the torch engine declares its own
-(`autotune_instructions()`); a plain DeepSpeedEngine has no pipeline instructions.
+(`autotune_instructions()`); a plain DeepSpeedEngine's is its `forward`, `backward` and `step`
+and the collectives of DeepSpeed's communication backend that ZeRO calls inside them
+(`PlainEngineInstructions`, autotune/rank/collectives.py).
 """
 
 from __future__ import annotations
@@ -121,6 +123,9 @@ def _deepspeed_layout(engine: object) -> EngineLayout:
 COMPUTE, OPTIMIZER, COMM, DATA = "compute", "optimizer", "comm", "data"
 """The probe's categories; a point-to-point instruction's is `p2p_category(name)` (transfer
 plus wait, split by autotune/rank/p2p_split.py)."""
+COLLECTIVE = "collective"
+"""A collective of a plain engine, called inside its compute: the probe times each call as its
+own kind (autotune/rank/collectives.py) and takes it out of the compute that encloses it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,9 +138,10 @@ class Instruction:
 
 
 class InstructionFn(Protocol):
-    """An instruction's function, as the engine calls it."""
+    """An instruction's function, as the engine calls it (a PipelineEngine's with the engine
+    first, a plain engine's methods and collectives bound)."""
 
-    def __call__(self, engine: object, /, **kwargs: object) -> object: ...
+    def __call__(self, *args: object, **kwargs: object) -> object: ...
 
 
 Wrapper = Callable[[Instruction, InstructionFn], InstructionFn]
@@ -178,11 +184,47 @@ class MappedInstructions(Generic[K]):
         return undo
 
 
-class _NoInstructions:
-    """An engine without pipeline instructions (a plain DeepSpeedEngine): nothing to wrap."""
+PLAIN_ENGINE_PHASES: dict[str, str] = {"forward": COMPUTE, "backward": COMPUTE, "step": OPTIMIZER}
+"""A plain DeepSpeedEngine's step phases (deepspeed/runtime/engine.py): the script calls
+`engine(x)` (its `forward`), `engine.backward(loss)` and `engine.step()` per micro-batch; the
+optimizer runs in the step at the accumulation boundary."""
+
+
+class PlainEngineInstructions:
+    """A plain DeepSpeedEngine's phases, each an instance attribute over its method (nn.Module's
+    call finds `forward` there), and the communication backend's collectives, likewise over the
+    one backend object (autotune/rank/collectives.py)."""
+
+    def __init__(self, engine: object) -> None:
+        self.engine = engine
 
     def wrap(self, wrapper: Wrapper) -> Callable[[], None]:
-        return lambda: None
+        from autotune.rank.collectives import COLLECTIVES, backend
+
+        undos = [_shadow(self.engine, name, Instruction(name, category), wrapper)
+                 for name, category in PLAIN_ENGINE_PHASES.items()]
+        cdb = backend()
+        if cdb is not None:
+            undos += [_shadow(cdb, op, Instruction(op, COLLECTIVE), wrapper) for op in COLLECTIVES if hasattr(cdb, op)]
+
+        def undo() -> None:
+            for one in reversed(undos):
+                one()
+        return undo
+
+
+def _shadow(holder: object, name: str, instruction: Instruction, wrapper: Wrapper) -> Callable[[], None]:
+    """`holder.name` replaced by its wrapped self as an instance attribute; the undo restores it."""
+    had = name in holder.__dict__
+    previous = holder.__dict__.get(name)
+    object.__setattr__(holder, name, wrapper(instruction, getattr(holder, name)))
+
+    def undo() -> None:
+        if had:
+            object.__setattr__(holder, name, previous)
+        else:
+            holder.__dict__.pop(name, None)
+    return undo
 
 
 DEEPSPEED_CATEGORY: dict[str, str] = {
@@ -212,4 +254,4 @@ def instructions_of(engine: object) -> InstructionTable:
         return cast(DeclaresInstructions, engine).autotune_instructions()
     if hasattr(engine, "_INSTRUCTION_MAP"):  # a PipelineEngine: its class map, shadowed per instance
         return MappedInstructions(engine, "_INSTRUCTION_MAP", _deepspeed_instruction)
-    return _NoInstructions()
+    return PlainEngineInstructions(engine)

@@ -26,7 +26,9 @@ from typing import Any, Protocol
 from autotune.core.dsconfig import reduce_bucket_acts
 from autotune.core.schema import StepRecord
 from autotune.core.summary import busy_fraction
+from autotune.rank.collectives import COLLECTIVE_PREFIX, TimedWork, collective_kind
 from autotune.rank.engine_face import (
+    COLLECTIVE,
     COMM,
     COMPUTE,
     DATA,
@@ -35,10 +37,13 @@ from autotune.rank.engine_face import (
     instructions_of,
     layout_of,
 )
-from autotune.rank.p2p_split import P2P_INSTRUCTIONS, TransferSplit, p2p_category
+from autotune.rank.p2p_split import P2P_INSTRUCTIONS, P2P_PREFIX, TransferSplit, p2p_category
 from autotune.rank.timing import CPU_SUFFIX, IntervalTimer, make_timer
 
 P2P_CATEGORIES = frozenset(p2p_category(name) for name in P2P_INSTRUCTIONS)
+INSIDE = "inside:"
+"""`inside:<category>`: the seconds of the collectives run inside an interval of that category
+(a plain engine's backward and step), taken out of it at the step's end."""
 
 
 class Sink(Protocol):
@@ -68,8 +73,12 @@ class PipelineProbe:
         """Tokens per sample; None: not given, read from the first stage's input (autotune/rank/token_input.py)."""
         self.device_type = engine.device.type if hasattr(engine, "device") else "cpu"
         self.device = device
-        self.timer = timer or make_timer(self.device_type, P2P_CATEGORIES)
+        self.timer = timer or make_timer(self.device_type, (P2P_PREFIX, COLLECTIVE_PREFIX))
         self.transfers = TransferSplit()
+        self.collectives = TransferSplit(COLLECTIVE_PREFIX)
+        self._open: list[str] = []
+        """The categories of the instructions running now, outermost first."""
+        self._in_collective = False
         self.on_step = on_step
         self.step = 0
         self.host = socket.gethostname()
@@ -85,7 +94,8 @@ class PipelineProbe:
         def timed(instruction: Instruction, fn: Callable) -> Callable:
             if instruction.category is None:
                 return fn
-            out = self._wrap(fn, instruction.category)
+            out = (self._wrap_collective(fn, instruction.name) if instruction.category == COLLECTIVE
+                   else self._wrap(fn, instruction.category))
             if instruction.category == DATA and self.seq_length is None:  # a user's script: its input tells
                 from autotune.rank.token_input import measure_seq_length
 
@@ -120,14 +130,46 @@ class PipelineProbe:
     def _wrap(self, fn: Callable, category: str) -> Callable:
         timer = self.timer
 
-        def timed(engine_self: Any, **kwargs: Any) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
             token = timer.begin()
+            self._open.append(category)
             try:
-                return fn(engine_self, **kwargs)
+                return fn(*args, **kwargs)
             finally:
+                self._open.pop()
                 timer.end(token, category)
 
         return timed
+
+    def _wrap_collective(self, fn: Callable, op: str) -> Callable:
+        """A collective, timed as its own kind (autotune/rank/collectives.py) and counted inside
+        the instruction that runs it, so that it leaves that instruction's compute; one made of
+        another collective (a coalesced one) counts once, the outer one."""
+        timer = self.timer
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if self._in_collective:
+                return fn(*args, **kwargs)
+            inside = INSIDE + self._open[-1] if self._open else None
+            token = timer.begin()
+            self._in_collective = True
+            try:
+                out = fn(*args, **kwargs)
+            finally:
+                self._in_collective = False
+                timer.end(token, collective_kind(op, args, kwargs), inside)
+            return TimedWork(out, self._timed_wait) if out is not None and hasattr(out, "wait") else out
+
+        return timed
+
+    def _timed_wait(self, wait: Callable[[], Any]) -> Any:
+        """An async collective's wait: the rest of its transfer, which the rank waited for."""
+        inside = INSIDE + self._open[-1] if self._open else None
+        token = self.timer.begin()
+        try:
+            return wait()
+        finally:
+            self.timer.end(token, COMM, inside)
 
     # -- one step -----------------------------------------------------------
     def _measured_step(self, inner: Callable, *args: Any, **kwargs: Any) -> Any:
@@ -160,10 +202,14 @@ class PipelineProbe:
         layout = layout_of(eng)  # the one reader of the engine's layout (autotune/rank/engine_face.py)
         micro, gas, dp = layout.micro_batch_size, layout.accumulation_steps, layout.data_parallel_size
         stages = layout.stages
-        optimizer = parts.get(OPTIMIZER, 0.0)
-        compute = parts.get(COMPUTE, 0.0) + optimizer
+        # a plain engine's collectives run inside its backward and step: out of their compute
+        optimizer = parts.get(OPTIMIZER, 0.0) - parts.get(INSIDE + OPTIMIZER, 0.0)
+        compute = parts.get(COMPUTE, 0.0) - parts.get(INSIDE + COMPUTE, 0.0) + optimizer
         transfer, wait = self.transfers.split(self.timer.intervals())
+        reduced, waited = self.collectives.split(self.timer.intervals())
         work = parts.get(COMPUTE + CPU_SUFFIX)  # CPU only: the forward/backward work in thread CPU time
+        if work is not None:
+            work -= parts.get(INSIDE + COMPUTE + CPU_SUFFIX, 0.0)
         samples_per_second = micro * gas * dp / step_seconds if step_seconds > 0 else 0.0
         util = None
         if self.device is not None:
@@ -181,8 +227,8 @@ class PipelineProbe:
             step=self.step, warmup=int(self.step < self.warmup_steps),
             step_seconds=step_seconds, samples_per_second=samples_per_second,
             tokens_per_second=samples_per_second * self.seq_length if self.seq_length else None,
-            compute_seconds=compute, comm_seconds=parts.get(COMM, 0.0) + transfer,
-            wait_seconds=wait, data_seconds=parts.get(DATA, 0.0),
+            compute_seconds=compute, comm_seconds=parts.get(COMM, 0.0) + transfer + reduced,
+            wait_seconds=wait + waited, data_seconds=parts.get(DATA, 0.0),
             device_utilization=util,
             memory_allocated_bytes=mem.get("allocated_bytes"),
             memory_reserved_bytes=mem.get("reserved_bytes"),
@@ -191,12 +237,14 @@ class PipelineProbe:
             memory_peak_bytes=peak,
             loss=_loss_value(eng, loss), loss_scale=_loss_scale(eng),
             micro_batch_size=micro, gradient_accumulation_steps=gas,
-            reduce_bucket_size=_acting_bucket(eng, dp), pipeline_stages=stages,
+            reduce_bucket_size=_acting_bucket(eng, dp, pipeline=layout.topology is not None), pipeline_stages=stages,
             data_parallel_size=dp, seq_length=self.seq_length,
             device=str(eng.device) if hasattr(eng, "device") else "cpu", host=self.host,
             optimizer_seconds=optimizer, utilization_from_device=int(from_device),
             compute_cpu_seconds=work, memory_capacity_bytes=mem.get("capacity_bytes"),
-            p2p_seconds=transfer + wait, p2p_fastest_seconds=self.transfers.fastest_seconds(),
+            # a job with no pipeline has no point-to-point: absent, not 0 (shared/docs/design.md)
+            p2p_seconds=transfer + wait if layout.topology is not None else None,
+            p2p_fastest_seconds=self.transfers.fastest_seconds(),
         )
 
 
@@ -215,9 +263,9 @@ def _loss_scale(engine: Any) -> float | None:
     return float(scale) if scale is not None and math.isfinite(float(scale)) else None
 
 
-def _acting_bucket(engine: Any, dp: int) -> int | None:
-    """The engine's reduce_bucket_size where it acts (ZeRO-1 and dp > 1), else None."""
-    if not reduce_bucket_acts(engine.zero_optimization_stage(), dp):
+def _acting_bucket(engine: Any, dp: int, *, pipeline: bool) -> int | None:
+    """The engine's reduce_bucket_size where it acts (autotune/core/dsconfig.py), else None."""
+    if not reduce_bucket_acts(engine.zero_optimization_stage(), dp, pipeline=pipeline):
         return None
     return int(engine.zero_reduce_bucket_size())
 

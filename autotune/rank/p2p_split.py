@@ -35,16 +35,23 @@ def p2p_category(instruction: str) -> str:
 
 
 class TransferSplit:
-    """One rank's estimate, kept over its trial: per kind, the fastest instance seen."""
+    """One rank's estimate, kept over its trial: per kind, the fastest instance seen.
 
-    def __init__(self) -> None:
+    The same rule splits a plain engine's collectives (autotune/rank/collectives.py): one kind is
+    one collective of one size, and the rank that reaches it last waits for no one, so its
+    instances' time beyond the fastest is the wait for a slower rank (shared/docs/design.md: a
+    collective that waits for a slower rank is waiting, not communication). `prefix` names the
+    kinds this split reads."""
+
+    def __init__(self, prefix: str = P2P_PREFIX) -> None:
+        self.prefix = prefix
         self.fastest: dict[str, float] = {}
 
     def split(self, intervals: dict[str, list[float]]) -> tuple[float, float]:
-        """(transfer, wait) seconds of one step's point-to-point instances."""
+        """(transfer, wait) seconds of one step's instances of this split's kinds."""
         transfer = wait = 0.0
         for kind, seconds in intervals.items():
-            if not kind.startswith(P2P_PREFIX) or not seconds:
+            if not kind.startswith(self.prefix) or not seconds:
                 continue
             fastest = min(self.fastest.get(kind, math.inf), min(seconds))
             self.fastest[kind] = fastest

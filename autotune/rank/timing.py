@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from collections.abc import Iterable
 from typing import Any, Protocol
 
 
@@ -19,27 +20,30 @@ class IntervalTimer(Protocol):
     def begin(self) -> Any:
         """Mark the start of an interval; returns a token for `end`."""
 
-    def end(self, token: Any, category: str) -> None:
-        """Close the interval opened by `token`, adding it to `category`."""
+    def end(self, token: Any, category: str, also: str | None = None) -> None:
+        """Close the interval opened by `token`, adding it to `category` (and to `also`, where
+        given: a collective's time inside the compute that encloses it, autotune/rank/instrument.py)."""
 
     def collect(self) -> dict[str, float]:
         """Seconds per category since the last collect (called at step end)."""
 
     def intervals(self) -> dict[str, list[float]]:
-        """The seconds of each interval of the categories named in `each`, in the step the last
-        `collect` closed (point-to-point instructions: autotune/rank/p2p_split.py)."""
+        """The seconds of each interval of the categories that start with a prefix in `each`, in
+        the step the last `collect` closed (point-to-point instructions and collectives:
+        autotune/rank/p2p_split.py)."""
 
 
 class _Intervals:
-    """Each interval of the categories in `each`, kept apart for the step (a few per micro-batch)."""
+    """Each interval of the categories that start with a prefix in `each`, kept apart for the
+    step (a few per micro-batch)."""
 
-    def __init__(self, each: frozenset[str] = frozenset()) -> None:
-        self.each = each
+    def __init__(self, each: Iterable[str] = ()) -> None:
+        self.each = tuple(each)
         self._open: dict[str, list[float]] = defaultdict(list)
         self._closed: dict[str, list[float]] = {}
 
     def add(self, category: str, seconds: float) -> None:
-        if category in self.each:
+        if self.each and category.startswith(self.each):
             self._open[category].append(seconds)
 
     def close_step(self) -> None:
@@ -50,16 +54,18 @@ class _Intervals:
 
 
 class HostTimer(_Intervals):
-    def __init__(self, each: frozenset[str] = frozenset()) -> None:
+    def __init__(self, each: Iterable[str] = ()) -> None:
         super().__init__(each)
         self._acc: dict[str, float] = defaultdict(float)
 
     def begin(self) -> float:
         return time.perf_counter()
 
-    def end(self, token: float, category: str) -> None:
+    def end(self, token: float, category: str, also: str | None = None) -> None:
         seconds = time.perf_counter() - token
         self._acc[category] += seconds
+        if also is not None:
+            self._acc[also] += seconds
         self.add(category, seconds)
 
     def collect(self) -> dict[str, float]:
@@ -75,12 +81,12 @@ class CudaEventTimer(_Intervals):
     collect() has synchronized on the last one), so the steady state creates none.
     """
 
-    def __init__(self, *, torch: Any = None, each: frozenset[str] = frozenset()) -> None:
+    def __init__(self, *, torch: Any = None, each: Iterable[str] = ()) -> None:
         super().__init__(each)
         if torch is None:
             import torch
         self._torch = torch  # injectable: tests pass a fake with cuda.Event
-        self._pending: list[tuple[str, Any, Any]] = []
+        self._pending: list[tuple[str, Any, Any, str | None]] = []
         self._free: list[Any] = []
 
     def begin(self) -> Any:
@@ -88,16 +94,18 @@ class CudaEventTimer(_Intervals):
         ev.record()
         return ev
 
-    def end(self, token: Any, category: str) -> None:
-        self._pending.append((category, token, self.begin()))
+    def end(self, token: Any, category: str, also: str | None = None) -> None:
+        self._pending.append((category, token, self.begin(), also))
 
     def collect(self) -> dict[str, float]:
         acc: dict[str, float] = defaultdict(float)
         if self._pending:
             self._pending[-1][2].synchronize()
-        for category, start, stop in self._pending:
+        for category, start, stop, also in self._pending:
             seconds = start.elapsed_time(stop) / 1000.0
             acc[category] += seconds
+            if also is not None:
+                acc[also] += seconds
             self.add(category, seconds)
             self._free += (start, stop)
         self._pending = []
@@ -120,10 +128,12 @@ class WallAndCpuTimer(HostTimer):
     def begin(self) -> tuple[float, float]:  # type: ignore[override]
         return time.perf_counter(), time.thread_time()
 
-    def end(self, token: tuple[float, float], category: str) -> None:  # type: ignore[override]
-        seconds = time.perf_counter() - token[0]
-        self._acc[category] += seconds
-        self._acc[category + CPU_SUFFIX] += time.thread_time() - token[1]
+    def end(self, token: tuple[float, float], category: str,  # type: ignore[override]
+            also: str | None = None) -> None:
+        seconds, work = time.perf_counter() - token[0], time.thread_time() - token[1]
+        for name in (category, also) if also is not None else (category,):
+            self._acc[name] += seconds
+            self._acc[name + CPU_SUFFIX] += work
         self.add(category, seconds)
 
 
@@ -137,7 +147,7 @@ def work_view(parts: dict[str, float]) -> dict[str, float]:
     return cpu or parts
 
 
-def make_timer(device_type: str, each: frozenset[str] = frozenset()) -> IntervalTimer:
+def make_timer(device_type: str, each: Iterable[str] = ()) -> IntervalTimer:
     """CUDA events on a GPU; on a CPU the host clock with each interval's CPU time beside it.
-    `each`: the categories whose intervals are also kept one by one for the step."""
+    `each`: the prefixes of the categories whose intervals are also kept one by one for the step."""
     return CudaEventTimer(each=each) if device_type == "cuda" else WallAndCpuTimer(each)

@@ -16,6 +16,7 @@ from typing import Any
 
 from autotune import __version__
 from autotune.core.space import TrialConfig, fmt_bucket
+from autotune.core.summary import NOT_A_PIPELINE, TrialSummary
 from autotune.report_html.figures import Figure
 from autotune.report_html.gather import KNOB_LABELS, MetricsReport, StudyReport
 from autotune.study.store import STATUS_OK
@@ -318,9 +319,8 @@ def render_metrics(m: MetricsReport, figs: Sequence[Figure], figures_href: str) 
         f'<div class="stat"><b>{escape(v)}</b><span>{escape(t)}</span></div>' for v, t in stats) + "</section>")
     facts = [("Input", f"{m.label or m.source} ({m.format})")]
     for s, who in list(zip(m.summaries, names, strict=True))[:4]:
-        facts.append((who[:1].upper() + who[1:], f"utilization mean {s.device_utilization_mean:.0%}, bubble "
-                                          f"{s.bubble_fraction_measured:.2f} measured / {s.bubble_fraction_ideal:.2f} ideal, "
-                                          f"stage imbalance {s.stage_compute_imbalance:.2f}"))
+        facts.append((who[:1].upper() + who[1:], f"utilization mean {s.device_utilization_mean:.0%}, "
+                                                  + _pipeline_words(s)))
     parts.append('<dl class="facts">' + "".join(f"<dt>{escape(a)}</dt><dd>{escape(b)}</dd>" for a, b in facts)
                  + "</dl>")
     parts.append(_missing(m.missing + [f"Note: {n}" for n in m.notes]))
@@ -339,3 +339,11 @@ def render_metrics(m: MetricsReport, figs: Sequence[Figure], figures_href: str) 
         parts.append(f"<details><summary>{len(m.insufficient)} rule(s) not decided for lack of data"
                      f"</summary><ul>{items}</ul></details>")
     return _page(f"autotune advise: {name}", "".join(parts))
+
+
+def _pipeline_words(s: TrialSummary) -> str:
+    """The bubble and stage imbalance in words; a job with no pipeline says so (never 0)."""
+    if s.bubble_fraction_measured is None or s.bubble_fraction_ideal is None or s.stage_compute_imbalance is None:
+        return f"bubble and stage imbalance: {NOT_A_PIPELINE}"
+    return (f"bubble {s.bubble_fraction_measured:.2f} measured / {s.bubble_fraction_ideal:.2f} ideal, "
+            f"stage imbalance {s.stage_compute_imbalance:.2f}")

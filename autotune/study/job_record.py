@@ -47,8 +47,10 @@ def describe_job(user_command: dict[str, Any] | None, workload: dict[str, Any] |
     uc = user_command or {}
     stages = uc.get("pipeline_stages") or wl.get("pipeline_stages")
     dp = uc.get("data_parallel_size") or wl.get("data_parallel_size")
-    layout = (f"{stages} pipeline stages x {dp} data-parallel = {stages * dp} ranks"
-              if isinstance(stages, int) and isinstance(dp, int) else "")
+    layout = ""
+    if isinstance(stages, int) and isinstance(dp, int):
+        layout = (f"{stages} pipeline stages x {dp} data-parallel = {stages * dp} ranks" if stages > 1
+                  else f"{dp} data-parallel ranks, not a pipeline job")
     if not uc.get("argv"):
         return ", ".join(p for p in (f"workload {wl['preset']}" if wl.get("preset") else "", layout) if p)
     facts = []

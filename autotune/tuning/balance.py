@@ -94,7 +94,9 @@ def work_imbalance(summary: TrialSummary) -> float:
     """The stage imbalance a partition decides: of the stages' work (thread CPU time on a CPU,
     where wall time also holds each rank's wait for a core; CUDA events on a GPU)."""
     work = getattr(summary, "stage_work_imbalance", None)
-    return float(work if work is not None else summary.stage_compute_imbalance)
+    if work is None:
+        work = summary.stage_compute_imbalance
+    return float(work) if work is not None else 1.0  # no stages (not a pipeline): nothing to balance
 
 
 def builtin_equivalent(parts: list[int], costs: list[float], parameters: list[int],

@@ -42,16 +42,17 @@ class BuiltinJob:
         return engine_named(opts.workload.engine)
 
     def check_config(self, opts: RunOptions, base: DsConfig) -> None:
+        self.engine(opts).check_config(opts, base)  # what the engine cannot build at all, first
         require_optimizer(base, opts.config)  # a config without one would fail every trial alike
-        self.engine(opts).check_config(opts, base)
 
     def space(self, opts: RunOptions, base: DsConfig) -> SearchSpace:
         return self.engine(opts).space(opts, base, build_space(opts, base))
 
     def describe(self, opts: RunOptions) -> str:
         wl = opts.workload
-        return (f"workload: {wl.preset}, {wl.pipeline_stages} stages x {wl.data_parallel_size} dp = "
-                f"{wl.world_size} ranks{self.engine(opts).describe(opts)}")
+        shape = (f"{wl.pipeline_stages} stages x {wl.data_parallel_size} dp = {wl.world_size} ranks"
+                 if wl.pipeline_stages > 1 else f"{wl.world_size} data-parallel ranks")
+        return f"workload: {wl.preset}, {shape}{self.engine(opts).describe(opts)}"
 
     def store(self, study: Study) -> None:
         """The study's settings hold the whole workload."""

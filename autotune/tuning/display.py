@@ -53,8 +53,11 @@ class ProgressDisplay:
             util = _pct(summary.device_utilization_mean)
             fl = _pct(summary.device_utilization_fluctuation)
             ccr = "n/a" if summary.comm_compute_ratio is None else f"{summary.comm_compute_ratio:.2f}"
-            bub = f"{summary.bubble_fraction_measured:.2f}/{summary.bubble_fraction_ideal:.2f}"
-            imb = f"{summary.stage_compute_imbalance:.2f}"
+            if summary.bubble_fraction_measured is None or summary.bubble_fraction_ideal is None:
+                bub = imb = "n/a"  # not a pipeline job (the run's header says so)
+            else:
+                bub = f"{summary.bubble_fraction_measured:.2f}/{summary.bubble_fraction_ideal:.2f}"
+                imb = "n/a" if summary.stage_compute_imbalance is None else f"{summary.stage_compute_imbalance:.2f}"
         else:
             sps, util, fl, ccr, bub, imb = f"{'-':>10} {'-':>6}", "-", "-", "-", "-", "-"
         status_text = status if failure is None else f"{status}: {failure}"

@@ -24,7 +24,6 @@ def load_base_config(opts: RunOptions) -> DsConfig:
             cfg.check_no_hf_auto()  # the built-in workload has no Trainer to fill them
         except ConfigError as exc:
             raise ConfigError(f"{opts.config}: {exc}") from None
-    cfg.check_pipeline()
     cfg.resolve_batch(dp)  # raises with the arithmetic when impossible
     return cfg
 
@@ -38,8 +37,10 @@ def require_optimizer(base: DsConfig, path: str | None) -> None:
                         "\"optimizer\": {\"type\": \"Adam\", \"params\": {\"lr\": 0.001}}")
 
 
-def build_space(opts: RunOptions, base: DsConfig, *, model_parameters: int | None = None) -> SearchSpace:
-    """The search space over `base`; `model_parameters` bound the bucket range (None: the preset's)."""
+def build_space(opts: RunOptions, base: DsConfig, *, model_parameters: int | None = None,
+                pipeline: bool = True) -> SearchSpace:
+    """The search space over `base`; `model_parameters` bound the bucket range (None: the preset's);
+    `pipeline=False`: a plain engine's bucket rule (autotune/core/dsconfig.py `reduce_bucket_inert`)."""
     layout = base.resolve_batch(opts.workload.data_parallel_size)
     global_batch = None
     if not opts.free_batch:
@@ -51,7 +52,7 @@ def build_space(opts: RunOptions, base: DsConfig, *, model_parameters: int | Non
         powers_of_two_only=not opts.integer_micro, bucket_min=opts.bucket_min,
         bucket_max=opts.bucket_max, max_global_batch=opts.max_global_batch,
         model_parameters=(parameter_count(get_preset(opts.workload.preset)) if model_parameters is None
-                          else model_parameters),
+                          else model_parameters), pipeline=pipeline,
     )
 
 

@@ -382,8 +382,9 @@ class Watch:
 
 
 def _describe(summary: Any) -> str:
-    return (f"{summary.steps} measured steps in the window, {summary.samples_per_second:.1f} samples/s, "
-            f"bubble {summary.bubble_fraction_measured:.2f} (ideal {summary.bubble_fraction_ideal:.2f})")
+    bubble = ("not a pipeline job" if summary.bubble_fraction_measured is None
+              else f"bubble {summary.bubble_fraction_measured:.2f} (ideal {summary.bubble_fraction_ideal:.2f})")
+    return f"{summary.steps} measured steps in the window, {summary.samples_per_second:.1f} samples/s, {bubble}"
 
 
 def watch(argv: list[str], opts: WatchOptions, *, cwd: Path, display: Any) -> int:

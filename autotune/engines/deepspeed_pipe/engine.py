@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from autotune.core.errors import UserError
 from autotune.core.options import WorkloadOptions
+from autotune.engines.base import require_stages
 from autotune.trials.launcher import DEEPSPEED_LAUNCH
 
 if TYPE_CHECKING:
@@ -34,12 +35,14 @@ class DeepSpeedPipeline:
 
     def validate(self, opts: RunOptions) -> None:
         wl, defaults = opts.workload, WorkloadOptions()
+        require_stages(wl.pipeline_stages)
         if (wl.schedule, wl.virtual_stages) != (defaults.schedule, defaults.virtual_stages):
             raise UserError("--schedule and --virtual-stages choose a torch.distributed.pipelining schedule: "
                             "add --engine torch (DeepSpeed's engine runs its own 1F1B)")
 
     def check_config(self, opts: RunOptions, base: DsConfig) -> None:
-        """DeepSpeed builds any config the job's own checks let through."""
+        """What DeepSpeed refuses under a pipeline (ZeRO 2 and 3); the rest the job's checks let through."""
+        base.check_pipeline()
 
     def space(self, opts: RunOptions, base: DsConfig, space: SearchSpace) -> SearchSpace:
         return space

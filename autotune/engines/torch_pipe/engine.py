@@ -21,6 +21,7 @@ from autotune.core import pp_schedules
 from autotune.core.errors import UserError
 from autotune.core.knob import Knob
 from autotune.core.options import WorkloadOptions
+from autotune.engines.base import require_stages
 from autotune.rank.workload.presets import get_preset
 from autotune.trials.launcher import TORCHRUN, TORCHRUN_STYLE, RankLaunch
 
@@ -52,6 +53,7 @@ class TorchPipelining:
         """One line and exit 2 for an option this engine cannot honour, before any trial."""
         wl = opts.workload
         defaults = WorkloadOptions()
+        require_stages(wl.pipeline_stages)
         refused = {
             "--model": wl.model is not None,
             "--hostfile/--include/--exclude/--num_nodes/--num_gpus/--master_addr (several nodes)":
@@ -74,6 +76,7 @@ class TorchPipelining:
         """What of the ds_config the torch engine cannot build (the same for every trial)."""
         from autotune.rank.torch_pp.engine import OPTIMIZERS
 
+        base.check_pipeline()  # as under DeepSpeed's pipeline: the bucket and ZeRO stage it keeps are ZeRO-1's
         path = opts.config
         kind = str((base.raw.get("optimizer") or {}).get("type", "")).lower()
         if kind not in OPTIMIZERS:

@@ -31,7 +31,7 @@ def destroy(groups: set[Any]) -> int:
 
     default = c10d.GroupMember.WORLD
     alive = existing()
-    n = 0
+    gone = []
     for pg in groups:
         if pg is default or pg not in alive:
             continue
@@ -39,5 +39,26 @@ def destroy(groups: set[Any]) -> int:
             dist.destroy_process_group(pg)
         except (RuntimeError, ValueError):  # left as it was: MAX_JOBS_PER_POOL bounds what stays
             continue
-        n += 1
-    return n
+        gone.append(pg)
+    forget_in_deepspeed(gone)
+    return len(gone)
+
+
+def forget_in_deepspeed(gone: list[Any]) -> None:
+    """Drop DeepSpeed's own references to destroyed groups.
+
+    A plain engine's data-parallel group is DeepSpeed's clone of the world group, made once and
+    kept in `deepspeed.utils.groups` (`_WORLD_GROUP`, read by `_get_data_parallel_group`): the
+    next trial's engine in the same warm worker asked for it after it was destroyed, and
+    `deepspeed.initialize` failed with "Group ... is not registered" (measured, `--engine zero`).
+    With the reference gone, the next engine makes its own."""
+    from deepspeed.utils import groups as ds_groups
+
+    def is_gone(value: Any) -> bool:
+        return any(value is pg for pg in gone)
+
+    for name, value in list(vars(ds_groups).items()):
+        if is_gone(value):
+            setattr(ds_groups, name, None)
+        elif isinstance(value, dict) and any(is_gone(v) for v in value.values()):
+            setattr(ds_groups, name, {k: v for k, v in value.items() if not is_gone(v)})

@@ -112,3 +112,12 @@ def build_pipeline_module(preset: ModelPreset, *, stages: int, partition_method:
         base_seed=seed,
     )
     return module
+
+
+def build_decoder(preset: ModelPreset, *, seed: int = 1234) -> nn.Sequential:
+    """The preset as one plain module (`--engine zero`): the same layers as the pipeline's, in
+    order, each replica the whole model (DeepSpeed's plain engine broadcasts rank 0's weights)."""
+    torch.manual_seed(seed)
+    layers = [EmbeddingPipe(preset), *(DecoderLayerPipe(preset) for _ in range(preset.num_layers)),
+              LMHeadPipe(preset)]
+    return nn.Sequential(*layers)

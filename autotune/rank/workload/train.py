@@ -98,7 +98,6 @@ def run_trial(spec: TrialSpec, *, release: bool = False, watchdog=None) -> Trial
     from autotune.rank.wiring import wire
     from autotune.rank.workload import groups as process_groups
     from autotune.rank.workload.data import batches, load_token_file, synthetic_tokens
-    from autotune.rank.workload.model import build_pipeline_module
     from autotune.rank.workload.presets import get_preset
     from autotune.rank.workload.slowdown import stretch_compute
 
@@ -109,26 +108,18 @@ def run_trial(spec: TrialSpec, *, release: bool = False, watchdog=None) -> Trial
     preset = get_preset(wl.preset)
     groups_before = process_groups.existing() if release else set()
     torch.manual_seed(wl.seed)  # the same seed in every trial, warm or fresh: the same model and data
-    user_batches = None
-    if wl.model:  # the user's own PipelineModule (autotune/rank/workload/user_model.py)
-        from autotune.rank.workload.user_model import build_user_pipeline
-
-        module, user_batches = build_user_pipeline(wl.model, num_stages=wl.pipeline_stages, seed=wl.seed)
-    else:
-        module = build_pipeline_module(
-            preset, stages=wl.pipeline_stages, partition_method=wl.partition_method,
-            activation_checkpoint_interval=wl.activation_checkpoint_interval, seed=wl.seed,
-        )
+    module, user_batches, as_engine = MODELS[wl.engine](spec, preset)
     if wl.slow_layer is not None:  # test hook: before the layer-cost hooks, which then time it
         from autotune.rank.workload.slowdown import stretch_layer
 
         stretch_layer(module, wl.slow_layer, wl.slow_factor)
     with open(spec.ds_config, encoding="utf-8") as fh:
         ds_config = json.load(fh)
-    engine, _, _, _ = deepspeed.initialize(
+    built, _, _, _ = deepspeed.initialize(
         model=module, model_parameters=[p for p in module.parameters() if p.requires_grad],
         config=ds_config,
     )
+    engine = as_engine(built)
     wiring = None
     try:
         layout = layout_of(engine)
@@ -148,10 +139,46 @@ def run_trial(spec: TrialSpec, *, release: bool = False, watchdog=None) -> Trial
                 wiring.probe.uninstall()
             engine.destroy()
             drop_autograd_graphs(engine)
-            del engine, module, wiring
+            if built is not engine:  # a plain engine behind its stepper (autotune/rank/zero/engine.py)
+                drop_autograd_graphs(built)
+            del engine, built, module, wiring
             gc.collect()  # DeepSpeed's cycles that still hold the trial's groups
             process_groups.destroy(process_groups.existing() - groups_before)  # their gloo threads end
             release_memory()
+
+
+def _pipeline_model(spec: TrialSpec, preset):
+    """`--engine deepspeed`: the preset as a PipelineModule, or the user's own (`--model`,
+    autotune/rank/workload/user_model.py) with its batches; DeepSpeed's engine is the engine."""
+    wl = spec.workload
+    if wl.model:
+        from autotune.rank.workload.user_model import build_user_pipeline
+
+        module, user_batches = build_user_pipeline(wl.model, num_stages=wl.pipeline_stages, seed=wl.seed)
+        return module, user_batches, _as_is
+    from autotune.rank.workload.model import build_pipeline_module
+
+    module = build_pipeline_module(preset, stages=wl.pipeline_stages, partition_method=wl.partition_method,
+                                   activation_checkpoint_interval=wl.activation_checkpoint_interval, seed=wl.seed)
+    return module, None, _as_is
+
+
+def _plain_model(spec: TrialSpec, preset):
+    """`--engine zero`: the preset as one plain module, its DeepSpeedEngine stepped by
+    autotune/rank/zero/engine.py `ZeroEngine`."""
+    from autotune.rank.workload.model import build_decoder, cross_entropy_loss
+    from autotune.rank.zero.engine import ZeroEngine
+
+    return build_decoder(preset, seed=spec.workload.seed), None, lambda e: ZeroEngine(e, cross_entropy_loss)
+
+
+def _as_is(engine):
+    return engine
+
+
+MODELS = {"deepspeed": _pipeline_model, "zero": _plain_model}
+"""The model a DeepSpeed-launched rank builds per `--engine` (the torch engine's ranks are
+autotune/rank/torch_pp/train.py), and how its engine is stepped."""
 
 
 def steps_then_close(spec: TrialSpec, engine, wiring, data, watchdog, losses: list[float]) -> int:

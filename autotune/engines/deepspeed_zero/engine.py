@@ -1,0 +1,87 @@
+"""A plain DeepSpeedEngine with ZeRO (`--engine zero`, issue 42): the built-in decoder as one
+module, every rank a data-parallel replica (ranks = --dp, no stages), stepped by
+autotune/rank/zero/engine.py under DeepSpeed's launcher, fresh per trial or in warm workers.
+
+This is the engine HF Trainer and Lightning build, and the ground of DeepSpeed's own autotuner.
+Its communication is ZeRO's collectives, timed per call (autotune/rank/collectives.py); the
+bucket it searches is `reduce_bucket_size`, which buckets the reduction at ZeRO stages 1-3
+(autotune/core/dsconfig.py `reduce_bucket_inert`, pipeline=False).
+
+What it does not do yet, refused in one line rather than ignored: the pipeline-only options
+(`--stages`, partitions, layer costs, activation checkpointing of a PipelineModule, the
+slowdown hooks), profiler traces, several nodes, and the performance model's tuner (it replays
+DeepSpeed's pipeline TrainSchedule).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from autotune.core.errors import UserError
+from autotune.core.options import WorkloadOptions
+from autotune.trials.launcher import DEEPSPEED_LAUNCH
+
+if TYPE_CHECKING:
+    from autotune.core.dsconfig import DsConfig
+    from autotune.core.options import RunOptions
+    from autotune.core.space import SearchSpace
+    from autotune.trials.multinode import Cluster
+    from autotune.tuning.steps import SettingStep
+
+NOT_YET = "not available under --engine zero yet"
+NO_STAGES = "the ZeRO engine has no pipeline stages: its ranks are --dp replicas of the whole model"
+STAGES = 1
+"""The one "stage" of a plain engine: the whole model on every rank."""
+
+
+class DeepSpeedZero:
+    name = "zero"
+    title = "DeepSpeed ZeRO (a plain DeepSpeedEngine)"
+    launch = DEEPSPEED_LAUNCH  # the same rank entry and warm worker: the rank builds by --engine
+    workload_knobs: frozenset[str] = frozenset()
+    step_model: str | None = None
+
+    def validate(self, opts: RunOptions) -> None:
+        wl, defaults = opts.workload, WorkloadOptions()
+        if wl.pipeline_stages not in (defaults.pipeline_stages, STAGES):
+            raise UserError(f"--stages {wl.pipeline_stages}: {NO_STAGES}")
+        refused = {
+            "--model (your own PipelineModule)": wl.model is not None,
+            "--schedule/--virtual-stages (torch.distributed.pipelining's)":
+                (wl.schedule, wl.virtual_stages) != (defaults.schedule, defaults.virtual_stages),
+            "--partition-method": wl.partition_method != defaults.partition_method,
+            "--layer-costs": wl.layer_costs, "--balance-stages": wl.balance_stages,
+            "--activation-checkpoint-interval": wl.activation_checkpoint_interval > 0,
+            "--trace-steps": opts.trace_steps > 0,
+            "--slow-stage/--slow-layer": wl.slow_stage is not None or wl.slow_layer is not None,
+            "--hostfile/--include/--exclude/--num_nodes/--num_gpus/--master_addr (several nodes)":
+                any((wl.hostfile, wl.include, wl.exclude, wl.num_nodes, wl.num_gpus, wl.master_addr)),
+        }
+        for what, given in refused.items():
+            if given:
+                raise UserError(f"{what}: {NOT_YET}")
+        # the run's shape from here on: one "stage", so ranks = dp (core/options.py world_size)
+        wl.pipeline_stages = STAGES
+
+    def check_config(self, opts: RunOptions, base: DsConfig) -> None:
+        """DeepSpeed builds ZeRO stages 0-3 on a plain engine; the config's own checks ran already."""
+        if base.activation_checkpoint_interval:
+            raise UserError(f"{opts.config}: pipeline.activation_checkpoint_interval: a PipelineModule's "
+                            "setting; the ZeRO engine's model is a plain module")
+
+    def space(self, opts: RunOptions, base: DsConfig, space: SearchSpace) -> SearchSpace:
+        """The bucket as a plain engine has it: it acts at ZeRO stages 1-3 with dp > 1."""
+        from autotune.tuning.starting_point import build_space
+
+        return dataclasses.replace(build_space(opts, base, pipeline=False), pipeline_stages=STAGES)
+
+    def steps(self, opts: RunOptions, base: DsConfig, space: SearchSpace, *, root: Path,
+              note: Callable[[str], None], noise: float, cluster: Cluster | None) -> list[SettingStep]:
+        # the setting steps of the pipeline engines are PipelineModule's (checkpointing, partitions)
+        return []
+
+    def describe(self, opts: RunOptions) -> str:
+        return f"; engine: {self.title}"

@@ -1,0 +1,211 @@
+"""`--engine zero` (issue 42): the built-in decoder as a plain DeepSpeedEngine with ZeRO, on the
+engine seam. The end-to-end checks read the shared ZeRO study (tests/shared_studies.py
+`zero_study`: ZeRO-2, 2 data-parallel ranks, warm workers, budget 4); the probe's arithmetic and
+the refusals run without a launch."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+from launch_helpers import autotune_cli
+from shared_studies import ZERO_STAGE
+
+from autotune.core.dsconfig import reduce_bucket_acts, reduce_bucket_inert
+from autotune.core.summary import NOT_A_PIPELINE
+from autotune.rank.collectives import COLLECTIVE_PREFIX, collective_kind
+from autotune.rank.engine_face import COLLECTIVE, COMPUTE, OPTIMIZER, EngineLayout, Instruction
+from autotune.rank.instrument import PipelineProbe
+
+
+def _rows(study, trial: int) -> list[dict[str, str]]:
+    rows = []
+    for path in sorted((study / f"trial-{trial:03d}").glob("metrics-rank*.csv")):
+        with path.open(encoding="utf-8") as fh:
+            rows += list(csv.DictReader(fh))
+    return rows
+
+
+# -- the shared study --------------------------------------------------------------------------
+def test_every_trial_of_a_zero_study_runs_in_the_warm_workers(zero_study):
+    """Every trial ok, the later ones in the same warm workers: a plain engine's data-parallel
+    group is DeepSpeed's cached clone of the world group, which the trial's clean-up destroyed
+    (the second trial failed "Group ... is not registered" before groups.forget_in_deepspeed)."""
+    assert zero_study.returncode == 0, zero_study.output[-3000:]
+    assert "2 data-parallel ranks; engine: DeepSpeed ZeRO" in zero_study.stdout
+    summary = json.loads((zero_study.study / "summary.json").read_text())
+    assert summary["failed_trials"] == 0 and summary["counted_trials"] == 4, summary
+    assert all(t["status"] == "ok" for t in summary["trials"]), summary["trials"]
+    assert zero_study.alive_after == [] and not zero_study.shm_leaked
+
+
+def test_a_zero_trials_records_have_collectives_as_communication_and_no_pipeline(zero_study):
+    """The ZeRO reducer's collectives are the communication, out of the compute that runs them:
+    compute + communication + waiting stay within the step; nothing of a pipeline is recorded."""
+    rows = _rows(zero_study.study, 0)
+    assert {r["rank"] for r in rows} == {"0", "1"}
+    for r in rows:
+        step = float(r["step_seconds"])
+        comm, compute, wait = float(r["comm_seconds"]), float(r["compute_seconds"]), float(r["wait_seconds"])
+        assert r["pipeline_stages"] == "1" and r["data_parallel_size"] == "2"
+        assert r["p2p_seconds"] == ""  # absent, not 0: a plain engine has no point-to-point
+        assert comm > 0, r  # ZeRO-2 with dp 2 reduce-scatters every step
+        assert 0 < compute < step and compute + comm + wait <= step * 1.02, r
+        assert r["reduce_bucket_size"] != ""  # the bucket acts at ZeRO-2 with dp 2
+
+
+def test_the_table_and_the_signals_say_not_a_pipeline_job(zero_study, tmp_path):
+    assert "n/a   n/a  ok" in zero_study.stdout  # the bubble and the imbalance, never 0
+    assert f"ZeRO-{ZERO_STAGE}, dp > 1" in zero_study.stdout  # the bucket, searched where it acts
+    csvs = [str(p) for p in sorted((zero_study.study / "trial-000").glob("metrics-rank*.csv"))]
+    out = autotune_cli("advise", *csvs, "--format", "json", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert any(NOT_A_PIPELINE in note and "bubble" in note for note in report["notes"]), report["notes"]
+    assert not any(f["rule_id"].startswith(("bubble", "stage-imbalance")) and f["status"] == "fired"
+                   for f in report["findings"])
+    assert "not a pipeline job" in (zero_study.study / "report.md").read_text()
+
+
+def test_the_best_config_is_the_plain_engines_with_the_tuned_batch(zero_study):
+    best = json.loads((zero_study.study / "best_ds_config.json").read_text())
+    summary = json.loads((zero_study.study / "summary.json").read_text())
+    cfg = summary["best"]
+    assert best["zero_optimization"]["stage"] == ZERO_STAGE
+    assert best["train_micro_batch_size_per_gpu"] == cfg["micro_batch_size"]
+    assert best["gradient_accumulation_steps"] == cfg["gradient_accumulation_steps"]
+    assert best["train_batch_size"] == cfg["micro_batch_size"] * cfg["gradient_accumulation_steps"] * 2 == 16
+
+
+# -- without a launch -----------------------------------------------------------------------------
+@pytest.mark.parametrize("args, words", [
+    (["--stages", "4"], "the ZeRO engine has no pipeline stages"),
+    (["--layer-costs"], "--layer-costs: not available under --engine zero yet"),
+    (["--schedule", "GPipe"], "not available under --engine zero yet"),
+])
+def test_what_the_zero_engine_cannot_do_is_one_line(args, words, tmp_path):
+    out = autotune_cli("run", "--engine", "zero", "--budget", "1", *args, cwd=tmp_path)
+    assert out.returncode == 2 and words in out.stderr and "Traceback" not in out.stderr, out.stderr
+    assert not (tmp_path / "autotune_study").exists()
+
+
+def test_a_pipeline_needs_two_stages_and_refuses_zero_2(tmp_path):
+    out = autotune_cli("run", "--stages", "1", "--budget", "1", cwd=tmp_path)
+    assert out.returncode == 2 and "a pipeline needs at least 2 stages" in out.stderr, out.stderr
+    cfg = tmp_path / "ds.json"
+    cfg.write_text(json.dumps({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 2,
+                               "optimizer": {"type": "Adam"}, "zero_optimization": {"stage": 2}}))
+    out = autotune_cli("run", "--config", str(cfg), "--budget", "1", cwd=tmp_path)
+    assert out.returncode == 2 and "refused by DeepSpeed with pipeline parallelism" in out.stderr, out.stderr
+
+
+def test_where_reduce_bucket_size_acts_on_a_plain_engine():
+    """ZeRO-1 to 3 bucket the reduction by it; ZeRO-0 all-reduces in fixed buffers; dp 1 has none."""
+    assert [reduce_bucket_acts(s, 2, pipeline=False) for s in range(4)] == [False, True, True, True]
+    assert [reduce_bucket_acts(s, 2) for s in range(4)] == [False, True, False, False]  # a pipeline's
+    assert reduce_bucket_inert(2, 1, pipeline=False) == "dp = 1 has no gradient reduction"
+
+
+class _Timer:
+    """A host timer whose clock the test moves (the probe's arithmetic, not the machine's)."""
+
+    def __init__(self):
+        from autotune.rank.timing import HostTimer
+
+        self.now = 0.0
+        self.inner = HostTimer((COLLECTIVE_PREFIX,))
+
+    def begin(self):
+        return self.now
+
+    def end(self, token, category, also=None):
+        seconds = self.now - token
+        self.inner._acc[category] += seconds
+        if also is not None:
+            self.inner._acc[also] += seconds
+        self.inner.add(category, seconds)
+
+    def collect(self):
+        return self.inner.collect()
+
+    def intervals(self):
+        return self.inner.intervals()
+
+
+class _PlainLike:
+    """An engine with a plain engine's shape: a backward that runs a collective inside it."""
+
+    device = type("D", (), {"type": "cpu"})()
+
+    def __init__(self, timer, collective_seconds):
+        self.timer, self.collective_seconds = timer, list(collective_seconds)
+
+    def autotune_layout(self):
+        return EngineLayout(rank=0, micro_batch_size=1, accumulation_steps=1, data_parallel_size=2,
+                            data_parallel_rank=0, topology=None)
+
+    def autotune_instructions(self):
+        outer = self
+
+        class Table:
+            def wrap(self, wrapper):
+                outer.backward = wrapper(Instruction("backward", COMPUTE), outer.backward)
+                outer.step = wrapper(Instruction("step", OPTIMIZER), outer.step)
+                outer.all_reduce = wrapper(Instruction("all_reduce", COLLECTIVE), outer.all_reduce)
+                return lambda: None
+        return Table()
+
+    def all_reduce(self, tensor):
+        self.timer.now += self.collective_seconds.pop(0)
+
+    def backward(self):
+        self.timer.now += 0.5
+        self.all_reduce(_Tensor(1000))
+        self.timer.now += 0.25
+
+    def step(self):
+        self.timer.now += 0.125
+
+    def train_batch(self):
+        self.backward()
+        self.step()
+
+    def is_last_stage(self):
+        return True
+
+    def fp16_enabled(self):
+        return False
+
+    def zero_optimization_stage(self):
+        return 2
+
+    def zero_reduce_bucket_size(self):
+        return 1000
+
+
+class _Tensor:
+    def __init__(self, n):
+        self.n = n
+
+    def numel(self):
+        return self.n
+
+
+def test_a_collective_inside_the_backward_is_communication_not_compute():
+    """The probe takes each collective out of the phase that runs it, and splits it as it splits
+    a send: the fastest instance of its kind is the transfer, the rest the wait for a slower rank."""
+    timer = _Timer()
+    engine = _PlainLike(timer, [0.2, 0.5])  # the second step's reduction waits 0.3 s for the peer
+    records = []
+    probe = PipelineProbe(engine, timer=timer, warmup_steps=0, seq_length=8,
+                          on_step=records.append).install()
+    for _ in range(2):
+        engine.train_batch()
+    assert probe.collectives.fastest == {collective_kind("all_reduce", (_Tensor(1000),), {}): pytest.approx(0.2)}
+    first, second = records
+    assert first.compute_seconds == pytest.approx(0.875) and first.comm_seconds == pytest.approx(0.2)
+    assert first.wait_seconds == pytest.approx(0.0) and first.optimizer_seconds == pytest.approx(0.125)
+    assert second.compute_seconds == pytest.approx(0.875) and second.comm_seconds == pytest.approx(0.2)
+    assert second.wait_seconds == pytest.approx(0.3)
+    assert first.p2p_seconds is None and first.pipeline_stages == 1 and first.reduce_bucket_size == 1000
