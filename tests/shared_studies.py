@@ -12,7 +12,7 @@ value (folders, exit code, output); a test that changes a study works on `copy_s
 - `usercmd_study`: `autotune run -- deepspeed examples/pipeline_train.py ...`, the user's
   script unchanged, budget 3, with the layer-cost hooks, given parts and a 2-step trace.
 - `zero_study`: `autotune run --engine zero`, the built-in decoder as a plain DeepSpeedEngine
-  (ZeRO-2, 2 data-parallel ranks, warm workers), budget 4.
+  (ZeRO-2, 2 data-parallel ranks, warm workers), budget 6: the ZeRO sweep, then the search.
 """
 
 from __future__ import annotations
@@ -125,13 +125,15 @@ def run_usercmd_study(root: Path) -> SharedStudy:
 
 ZERO_STAGE = 2
 """The ZeRO study's stage: the gradients partitioned, reduced while the backward runs."""
+ZERO_BUDGET = 6
 
 
 def run_zero_study(root: Path) -> SharedStudy:
     """`autotune run --engine zero`: the built-in decoder as a plain DeepSpeedEngine with ZeRO-2 on
-    2 data-parallel ranks, warm workers, budget 4, 2 measured steps each."""
+    2 data-parallel ranks, warm workers, budget ZERO_BUDGET (the stage sweep's three trials among
+    them), 2 measured steps each."""
     cfg = write_config(root, train_batch_size=16, zero_optimization={"stage": ZERO_STAGE})
-    return _run(root, "--engine", "zero", "--config", str(cfg), "--budget", "4", "--steps", "2",
+    return _run(root, "--engine", "zero", "--config", str(cfg), "--budget", str(ZERO_BUDGET), "--steps", "2",
                 "--warmup-steps", "1", "--fixed-steps", "--no-metrics")
 
 

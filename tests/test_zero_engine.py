@@ -1,7 +1,7 @@
 """`--engine zero` (issue 42): the built-in decoder as a plain DeepSpeedEngine with ZeRO, on the
 engine seam. The end-to-end checks read the shared ZeRO study (tests/shared_studies.py
-`zero_study`: ZeRO-2, 2 data-parallel ranks, warm workers, budget 4); the probe's arithmetic and
-the refusals run without a launch."""
+`zero_study`: ZeRO-2, 2 data-parallel ranks, warm workers, budget 6); the probe's arithmetic, the
+sweep's rules and the refusals run without a launch."""
 
 from __future__ import annotations
 
@@ -10,13 +10,17 @@ import json
 
 import pytest
 from launch_helpers import autotune_cli
-from shared_studies import ZERO_STAGE
+from shared_studies import ZERO_BUDGET, ZERO_STAGE
+from step_driver import Driven
 
-from autotune.core.dsconfig import reduce_bucket_acts, reduce_bucket_inert
+from autotune.core.dsconfig import DsConfig, reduce_bucket_acts, reduce_bucket_inert, with_settings
+from autotune.core.space import TrialConfig
 from autotune.core.summary import NOT_A_PIPELINE
+from autotune.engines.deepspeed_zero.engine import STAGE_KNOB, ZERO_KNOBS, zero_sweep
 from autotune.rank.collectives import COLLECTIVE_PREFIX, collective_kind
 from autotune.rank.engine_face import COLLECTIVE, COMPUTE, OPTIMIZER, EngineLayout, Instruction
 from autotune.rank.instrument import PipelineProbe
+from autotune.tuning.proposers.base import Proposal
 
 
 def _rows(study, trial: int) -> list[dict[str, str]]:
@@ -29,13 +33,15 @@ def _rows(study, trial: int) -> list[dict[str, str]]:
 
 # -- the shared study --------------------------------------------------------------------------
 def test_every_trial_of_a_zero_study_runs_in_the_warm_workers(zero_study):
-    """Every trial ok, the later ones in the same warm workers: a plain engine's data-parallel
-    group is DeepSpeed's cached clone of the world group, which the trial's clean-up destroyed
-    (the second trial failed "Group ... is not registered" before groups.forget_in_deepspeed)."""
+    """Every trial ok, the later ones in the same warm workers, across ZeRO stages: a plain
+    engine's data-parallel group is DeepSpeed's cached clone of the world group, which the
+    trial's clean-up destroyed (the second trial failed "Group ... is not registered" before
+    groups.forget_in_deepspeed), and the stage is a setting a pool's next engine reads."""
     assert zero_study.returncode == 0, zero_study.output[-3000:]
     assert "2 data-parallel ranks; engine: DeepSpeed ZeRO" in zero_study.stdout
+    assert "this trial starts fresh workers" not in zero_study.output  # one pool for every stage
     summary = json.loads((zero_study.study / "summary.json").read_text())
-    assert summary["failed_trials"] == 0 and summary["counted_trials"] == 4, summary
+    assert summary["failed_trials"] == 0 and summary["counted_trials"] == ZERO_BUDGET, summary
     assert all(t["status"] == "ok" for t in summary["trials"]), summary["trials"]
     assert zero_study.alive_after == [] and not zero_study.shm_leaked
 
@@ -68,11 +74,26 @@ def test_the_table_and_the_signals_say_not_a_pipeline_job(zero_study, tmp_path):
     assert "not a pipeline job" in (zero_study.study / "report.md").read_text()
 
 
-def test_the_best_config_is_the_plain_engines_with_the_tuned_batch(zero_study):
+def test_the_stage_sweep_runs_each_other_stage_and_its_trials_carry_it(zero_study):
+    knobs = json.loads((zero_study.study / "knobs.json").read_text())
+    assert set(knobs["measured"][STAGE_KNOB]) == {"0", "1", "2", "3"} - {str(ZERO_STAGE)}
+    summary = json.loads((zero_study.study / "summary.json").read_text())
+    for t in summary["trials"]:
+        ran = json.loads((zero_study.study / f"trial-{t['trial']:03d}" / "ds_config.json").read_text())
+        stage = t["source"].split("=")[1] if t["source"].startswith(f"knob:{STAGE_KNOB}=") else None
+        if stage is not None:
+            assert ran["zero_optimization"]["stage"] == int(stage), t
+        elif t["source"] != "baseline" and not t["source"].startswith("knob:"):  # the search: the kept stage
+            assert ran["zero_optimization"]["stage"] == int(knobs["kept"][STAGE_KNOB]), t
+
+
+def test_the_best_config_is_what_the_best_trial_ran_with_the_tuned_batch(zero_study):
+    """best_ds_config.json carries the sweep's settings too (the stage), not only the batch."""
     best = json.loads((zero_study.study / "best_ds_config.json").read_text())
     summary = json.loads((zero_study.study / "summary.json").read_text())
     cfg = summary["best"]
-    assert best["zero_optimization"]["stage"] == ZERO_STAGE
+    ran = json.loads((zero_study.study / f"trial-{cfg['trial']:03d}" / "ds_config.json").read_text())
+    assert best == ran
     assert best["train_micro_batch_size_per_gpu"] == cfg["micro_batch_size"]
     assert best["gradient_accumulation_steps"] == cfg["gradient_accumulation_steps"]
     assert best["train_batch_size"] == cfg["micro_batch_size"] * cfg["gradient_accumulation_steps"] * 2 == 16
@@ -209,3 +230,31 @@ def test_a_collective_inside_the_backward_is_communication_not_compute():
     assert second.compute_seconds == pytest.approx(0.875) and second.comm_seconds == pytest.approx(0.2)
     assert second.wait_seconds == pytest.approx(0.3)
     assert first.p2p_seconds is None and first.pipeline_stages == 1 and first.reduce_bucket_size == 1000
+
+
+def test_a_knob_value_sets_its_dotted_key_as_json_and_leaves_the_base_alone():
+    raw = {"zero_optimization": {"stage": 2, "reduce_bucket_size": 5}}
+    out = with_settings(raw, {STAGE_KNOB: "3", "zero_optimization.overlap_comm": "true", "a.b": "1"})
+    assert out == {"zero_optimization": {"stage": 3, "reduce_bucket_size": 5, "overlap_comm": True}, "a": {"b": 1}}
+    assert raw == {"zero_optimization": {"stage": 2, "reduce_bucket_size": 5}}
+
+
+def test_zero_0_kept_drops_the_reducers_knobs(tmp_path):
+    """After the stage sweep keeps ZeRO-0, overlap_comm and contiguous_gradients cannot act:
+    their trials are not run (the budget goes to the search)."""
+    notes = []
+    base = DsConfig.from_dict({"train_batch_size": 16, "zero_optimization": {"stage": 2}}, source="t")
+    sweep = Driven(zero_sweep(base, tmp_path, notes.append))
+    cfg = TrialConfig(micro_batch_size=2, gradient_accumulation_steps=4)
+    sweep.after(0, Proposal(config=cfg, source="baseline"), True, 100.0, None)
+    speed = {"0": 150.0, "1": 105.0, "3": 40.0}
+    n = 0
+    while (p := sweep.next_proposal()) is not None:
+        n += 1
+        name, value = p.source.removeprefix("knob:").split("=")
+        assert name == STAGE_KNOB, p.source  # nothing of the reducer is swept once ZeRO-0 is kept
+        sweep.before(n, p)
+        assert sweep.request.knob_values[STAGE_KNOB] == value
+        sweep.after(n, p, True, speed[value], None)
+    assert n == 3 and sweep.kept[STAGE_KNOB] == "0"
+    assert sum("not swept: ZeRO-0 kept" in line for line in notes) == len(ZERO_KNOBS) - 1, notes

@@ -279,3 +279,20 @@ def _parse(text: str) -> tuple[Any, str | None]:
     except (ValueError, RecursionError, OverflowError):  # HjsonDecodeError is a ValueError; 1e999 overflows
         raise _Unreadable(where) from None
     return raw, f"not strict JSON from {where} (comments or trailing commas: DeepSpeed reads it as hjson)"
+
+
+def with_settings(raw: dict, settings: dict[str, str]) -> dict:
+    """`raw` with each dotted key of `settings` set to its value read as JSON (a knob's text:
+    "2" -> 2, "true" -> True), the sections on the way created; `raw` itself is left alone."""
+    if not settings:
+        return raw
+    out = json.loads(json.dumps(raw))
+    for dotted, text in settings.items():
+        *path, last = dotted.split(".")
+        node = out
+        for key in path:
+            child = node.get(key)
+            node[key] = child = dict(child) if isinstance(child, dict) else {}
+            node = child
+        node[last] = json.loads(text)
+    return out

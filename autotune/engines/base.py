@@ -30,6 +30,9 @@ class Engine(Protocol):
     workload_knobs: frozenset[str]
     """The workload options its setting steps sweep as knobs (autotune/tuning/knob_sweep.py), set
     per trial by the built-in runner: the torch engine's `schedule`."""
+    config_knobs: frozenset[str]
+    """The ds_config settings its setting steps sweep as knobs, by dotted path, set per trial in
+    the trial's ds_config.json by the built-in runner: the ZeRO engine's `zero_optimization.stage`."""
     step_model: str | None
     """What the performance model replays for it (autotune/model/, `--tuner model`); None: it
     has no model of this engine's step yet, and `--tuner model` is refused."""

@@ -10,7 +10,7 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-from autotune.core.dsconfig import DsConfig
+from autotune.core.dsconfig import DsConfig, with_settings
 from autotune.core.faults import CONTROLLER_FAULTS, RANK_FAULTS
 from autotune.core.options import WorkloadOptions
 from autotune.core.space import TrialConfig
@@ -46,7 +46,8 @@ class BuiltinRunner:
 
     def __init__(self, workload: WorkloadOptions, base_config: DsConfig, *,
                  launcher: list[str] | None = None, cluster: Cluster | None = None,
-                 launch: RankLaunch = DEEPSPEED_LAUNCH, workload_knobs: frozenset[str] = frozenset()) -> None:
+                 launch: RankLaunch = DEEPSPEED_LAUNCH, workload_knobs: frozenset[str] = frozenset(),
+                 config_knobs: frozenset[str] = frozenset()) -> None:
         unknown = workload_knobs - TEXT_WORKLOAD_FIELDS
         if unknown:
             raise ValueError(f"workload knobs {sorted(unknown)} are not text options of the workload")
@@ -59,6 +60,10 @@ class BuiltinRunner:
         self.workload_knobs = workload_knobs
         """The workload options the engine's setting steps sweep as knobs (the torch engine's
         schedule): a request's knob value of one of these names sets it for that trial."""
+        self.config_knobs = config_knobs
+        """The ds_config settings the engine's setting steps sweep as knobs, by dotted path (the ZeRO
+        engine's `zero_optimization.stage`): a request's knob value of one of these sets it in the
+        trial's ds_config.json (autotune/core/dsconfig.py `with_settings`)."""
         self.cluster = cluster
         """Where the ranks run (autotune/trials/multinode.py); None: this machine, stages x dp ranks."""
         self._cluster_args = cluster_args(cluster) if cluster is not None else None
@@ -99,7 +104,8 @@ class BuiltinRunner:
 
     def _prepare(self, request: TrialRequest) -> tuple[Path, dict[str, object]]:
         """The trial folder with its ds_config.json and trial.json; the ds_config."""
-        ds_config = self.ds_config_for(request.config)
+        ds_config = with_settings(self.ds_config_for(request.config),
+                                  {k: v for k, v in request.knob_values.items() if k in self.config_knobs})
         trial_dir, _ = prepare_trial_dir(request.trial_dir, ds_config)
         self.describe(request, trial_dir).write(trial_dir / SPEC_NAME)
         return trial_dir, ds_config
@@ -142,8 +148,9 @@ class WarmRunner(BuiltinRunner):
 
     def __init__(self, workload: WorkloadOptions, base_config: DsConfig, *,
                  launcher: list[str] | None = None, note: Callable[[str], None] | None = None,
-                 workload_knobs: frozenset[str] = frozenset()) -> None:
-        super().__init__(workload, base_config, launcher=launcher, workload_knobs=workload_knobs)
+                 workload_knobs: frozenset[str] = frozenset(), config_knobs: frozenset[str] = frozenset()) -> None:
+        super().__init__(workload, base_config, launcher=launcher, workload_knobs=workload_knobs,
+                         config_knobs=config_knobs)
         self.warm = WarmWorkers(workload.world_size, launcher=launcher, note=note)
 
     def begin_close(self) -> None:
@@ -180,19 +187,21 @@ MULTI_NODE_IS_FRESH = ("DeepSpeed launcher options (--hostfile, ...) are given: 
 
 def builtin_runner(workload: WorkloadOptions, base_config: DsConfig, *, launcher: list[str] | None = None,
                    note: Callable[[str], None] | None = None, cluster: Cluster | None = None,
-                   launch: RankLaunch = DEEPSPEED_LAUNCH, workload_knobs: frozenset[str] = frozenset()) -> BuiltinRunner:
+                   launch: RankLaunch = DEEPSPEED_LAUNCH, workload_knobs: frozenset[str] = frozenset(),
+                   config_knobs: frozenset[str] = frozenset()) -> BuiltinRunner:
     """The built-in workload's runner: warm workers where the study asks for them, the engine's
     launch has them and the ranks run on this machine (a pool is launched with --num_gpus here),
     else fresh processes."""
     fresh = BuiltinRunner(workload, base_config, launcher=launcher, cluster=cluster, launch=launch,
-                          workload_knobs=workload_knobs)
+                          workload_knobs=workload_knobs, config_knobs=config_knobs)
     if workload.workers != "warm":
         return fresh
     why = launch.warm_refusal or (MULTI_NODE_IS_FRESH if cluster is not None else None)
     if why is not None:
         (note or print)(f"      warm workers: {why}")
         return fresh
-    return WarmRunner(workload, base_config, launcher=launcher, note=note, workload_knobs=workload_knobs)
+    return WarmRunner(workload, base_config, launcher=launcher, note=note, workload_knobs=workload_knobs,
+                      config_knobs=config_knobs)
 
 
 def prepare_trial_dir(trial_dir: Path, ds_config: dict, *, stale: tuple[str, ...] = ()) -> tuple[Path, Path]:

@@ -56,11 +56,20 @@ TUNED_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_ac
 """Top-level ds_config keys a trial may change in a warm pool (plus the ZeRO bucket)."""
 
 
+POOL_FREE_ZERO_KEYS = ("reduce_bucket_size", "stage", "overlap_comm", "contiguous_gradients")
+"""`zero_optimization` keys a trial may change in a warm pool: every trial builds a new engine and
+optimizer, and these are read there. The ZeRO stage, `overlap_comm` and `contiguous_gradients`
+(the ZeRO engine's sweep) were measured in one pool against fresh processes: every trial ok, the
+same speeds within the noise (2 ranks, tiny, stages 2 -> 0 -> 1 -> 3: 212/336/323/93 samples/s
+warm, 208/347/298/91 fresh; docs/zero-facts.md)."""
+
+
 def pool_key(ds_config: dict) -> str:
     """What must stay the same for a trial to reuse a pool: the config without the tuned knobs."""
     rest = {k: v for k, v in ds_config.items() if k not in TUNED_KEYS}
     zero = dict(rest.get("zero_optimization") or {})
-    zero.pop("reduce_bucket_size", None)
+    for k in POOL_FREE_ZERO_KEYS:
+        zero.pop(k, None)
     rest["zero_optimization"] = zero
     return json.dumps(rest, sort_keys=True)
 

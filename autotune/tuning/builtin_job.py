@@ -61,7 +61,7 @@ class BuiltinJob:
                cluster: Cluster | None) -> Runner:
         engine = self.engine(opts)
         return builtin_runner(opts.workload, base, note=note, cluster=cluster, launch=engine.launch,
-                              workload_knobs=engine.workload_knobs)
+                              workload_knobs=engine.workload_knobs, config_knobs=engine.config_knobs)
 
     def steps(self, opts: RunOptions, base: DsConfig, space: SearchSpace, *, root: Path,
               note: Callable[[str], None], noise: float, cluster: Cluster | None) -> list[SettingStep]:

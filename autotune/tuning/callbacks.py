@@ -3,6 +3,7 @@ the live metrics endpoints, and the study's output files."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 from contextlib import AbstractContextManager
 from typing import Protocol
@@ -11,7 +12,7 @@ from autotune.core.space import TrialConfig
 from autotune.core.summary import TrialSummary
 from autotune.study.outputs import write_outputs
 from autotune.study.results import StudyResults, read_results
-from autotune.study.store import Study
+from autotune.study.store import Study, TrialRow
 from autotune.trials.contract import Runner
 from autotune.trials.judge import TrialOutcome
 from autotune.tuning.display import ProgressDisplay
@@ -94,6 +95,16 @@ class StudyOutputs:
 
     def write(self) -> StudyResults:
         results = read_results(self.study)  # one snapshot: summary.json's best is best_ds_config.json's
-        best_cfg = self.runner.ds_config_for(results.best.config) if results.best else None
+        best_cfg = self._ran_with(results.best) if results.best else None
         write_outputs(self.study, results, best_cfg)
         return results
+
+    def _ran_with(self, best: TrialRow) -> dict[str, object]:
+        """The ds_config the best trial ran: its own ds_config.json, which holds what a setting
+        step set in it besides the batch and bucket (the ZeRO engine's stage); the runner's
+        config for its batch where that file is gone."""
+        try:
+            ran = json.loads((self.study.trial_dir(best.number) / "ds_config.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            ran = None
+        return ran if isinstance(ran, dict) else self.runner.ds_config_for(best.config)

@@ -37,8 +37,12 @@ class KnobSweep:
     """The knob step of a tuning run: one trial per candidate value, at the baseline's layout."""
 
     def __init__(self, knobs: list[Knob], own: Mapping[str, str | None], study_root: Path,
-                 note: Callable[[str], None] = print) -> None:
+                 note: Callable[[str], None] = print,
+                 inert: Callable[[str, Mapping[str, str | None]], str | None] | None = None) -> None:
         self.knobs, self.root, self.note = knobs, Path(study_root), note
+        self.inert = inert
+        """Why a knob cannot act with the values kept so far (None: it can): its queued trials are
+        dropped once an earlier knob's decision makes it inert (ZeRO-0 has no `overlap_comm`)."""
         self.kept: dict[str, str | None] = {k.name: own.get(k.name) for k in knobs}
         """The value each knob runs with outside its sweep: the job's own (the user's command's
         flag, an engine option's value), None where it has none (the script's own default)."""
@@ -129,6 +133,15 @@ class KnobSweep:
                       f"{NOISE_MARGIN:.0%} noise between launches: a tie, so the value in force is kept")
         else:
             self.note(f"      knob {name}: no value beat the one in force ({base:.1f} samples/s); kept as it was")
+        self._drop_inert()
+
+    def _drop_inert(self) -> None:
+        for k in self.knobs if self.inert is not None else ():
+            queued = [p for p in self.queue if p.source.startswith(f"{SOURCE_PREFIX}{k.name}=")]
+            why = self.inert(k.name, self.kept) if queued and self.inert is not None else None
+            if why:
+                self.queue = [p for p in self.queue if p not in queued]
+                self.note(f"      knob {k.name}: not swept: {why}")
 
     def _write(self) -> None:
         info = {"baseline_samples_per_second": self.baseline_sps, "kept": self.kept,

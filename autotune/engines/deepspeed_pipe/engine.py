@@ -31,6 +31,7 @@ class DeepSpeedPipeline:
     title = "DeepSpeed PipelineEngine"
     launch = DEEPSPEED_LAUNCH
     workload_knobs: frozenset[str] = frozenset()
+    config_knobs: frozenset[str] = frozenset()
     step_model: str | None = "DeepSpeed's TrainSchedule (autotune/model/schedule.py)"
 
     def validate(self, opts: RunOptions) -> None:

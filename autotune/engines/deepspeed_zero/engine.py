@@ -16,11 +16,12 @@ DeepSpeed's pipeline TrainSchedule).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from autotune.core.errors import UserError
+from autotune.core.knob import Knob
 from autotune.core.options import WorkloadOptions
 from autotune.trials.launcher import DEEPSPEED_LAUNCH
 
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
     from autotune.core.options import RunOptions
     from autotune.core.space import SearchSpace
     from autotune.trials.multinode import Cluster
+    from autotune.tuning.knob_sweep import KnobSweep
     from autotune.tuning.steps import SettingStep
 
 NOT_YET = "not available under --engine zero yet"
@@ -37,11 +39,17 @@ STAGES = 1
 """The one "stage" of a plain engine: the whole model on every rank."""
 
 
+STAGE_KNOB = "zero_optimization.stage"
+ZERO_KNOBS = (STAGE_KNOB, "zero_optimization.overlap_comm", "zero_optimization.contiguous_gradients")
+"""The ds_config settings the ZeRO sweep sets per trial, in the order it sweeps them."""
+
+
 class DeepSpeedZero:
     name = "zero"
     title = "DeepSpeed ZeRO (a plain DeepSpeedEngine)"
     launch = DEEPSPEED_LAUNCH  # the same rank entry and warm worker: the rank builds by --engine
     workload_knobs: frozenset[str] = frozenset()
+    config_knobs = frozenset(ZERO_KNOBS)
     step_model: str | None = None
 
     def validate(self, opts: RunOptions) -> None:
@@ -81,7 +89,38 @@ class DeepSpeedZero:
     def steps(self, opts: RunOptions, base: DsConfig, space: SearchSpace, *, root: Path,
               note: Callable[[str], None], noise: float, cluster: Cluster | None) -> list[SettingStep]:
         # the setting steps of the pipeline engines are PipelineModule's (checkpointing, partitions)
-        return []
+        return [zero_sweep(base, root, note)]
 
     def describe(self, opts: RunOptions) -> str:
         return f"; engine: {self.title}"
+
+
+def zero_sweep(base: DsConfig, root: Path, note: Callable[[str], None]) -> KnobSweep:
+    """The ZeRO step: the stage (0-3), then `overlap_comm` and `contiguous_gradients` at the stage
+    kept, one trial per value at the baseline's micro-batch and GAS; a value is kept when it beats
+    the one in force by more than the noise between launches (autotune/tuning/knob_sweep.py). A
+    value that runs out of memory is a failed trial of its own, and the sweep goes on."""
+    from autotune.tuning.knob_sweep import KnobSweep
+
+    section = base.raw.get("zero_optimization")
+    zero: dict = section if isinstance(section, dict) else {}
+    own = {STAGE_KNOB: str(base.zero_stage),
+           # DeepSpeed's own defaults (zero/config.py): overlap_comm only at stage 3, contiguous on
+           "zero_optimization.overlap_comm": _json(zero.get("overlap_comm", base.zero_stage == 3)),
+           "zero_optimization.contiguous_gradients": _json(zero.get("contiguous_gradients", True))}
+    knobs = [Knob(name=STAGE_KNOB, flag=STAGE_KNOB, joined=True, values=("0", "1", "2", "3")),
+             *(Knob(name=k, flag=k, joined=True, values=("false", "true")) for k in ZERO_KNOBS[1:])]
+    return KnobSweep(knobs, own, root, note, inert=_inert)
+
+
+def _inert(name: str, kept: Mapping[str, str | None]) -> str | None:
+    """ZeRO-0 has no ZeRO reducer: `overlap_comm` and `contiguous_gradients` do nothing there."""
+    if name != STAGE_KNOB and kept.get(STAGE_KNOB) == "0":
+        return "ZeRO-0 kept, which has no ZeRO gradient reducer for it to change"
+    return None
+
+
+def _json(value: object) -> str:
+    import json
+
+    return json.dumps(value)

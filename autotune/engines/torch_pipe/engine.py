@@ -47,6 +47,7 @@ class TorchPipelining:
     launch = RankLaunch(launcher=TORCHRUN, script=RANK_ENTRY, style=TORCHRUN_STYLE, builds_ops=False,
                         warm_refusal=TORCH_IS_FRESH)
     workload_knobs = frozenset({SCHEDULE_KNOB})
+    config_knobs: frozenset[str] = frozenset()
     step_model: str | None = None
 
     def validate(self, opts: RunOptions) -> None:
