@@ -102,6 +102,13 @@ def zero_study(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def usercmd_zero_study(tmp_path_factory):
+    from shared_studies import run_usercmd_zero_study
+
+    return run_usercmd_zero_study(tmp_path_factory.mktemp("usercmd-zero-study"))
+
+
+@pytest.fixture(scope="session")
 def usercmd_study(tmp_path_factory):
     from shared_studies import run_usercmd_study
 

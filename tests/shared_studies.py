@@ -13,6 +13,8 @@ value (folders, exit code, output); a test that changes a study works on `copy_s
   script unchanged, budget 3, with the layer-cost hooks, given parts and a 2-step trace.
 - `zero_study`: `autotune run --engine zero`, the built-in decoder as a plain DeepSpeedEngine
   (ZeRO-2, 2 data-parallel ranks, warm workers), budget 6: the ZeRO sweep, then the search.
+- `usercmd_zero_study`: `autotune run -- deepspeed examples/zero_train.py ...`, the user's own
+  plain-engine ZeRO-2 script unchanged, budget 2.
 """
 
 from __future__ import annotations
@@ -135,6 +137,18 @@ def run_zero_study(root: Path) -> SharedStudy:
     cfg = write_config(root, train_batch_size=16, zero_optimization={"stage": ZERO_STAGE})
     return _run(root, "--engine", "zero", "--config", str(cfg), "--budget", str(ZERO_BUDGET), "--steps", "2",
                 "--warmup-steps", "1", "--fixed-steps", "--no-metrics")
+
+
+ZERO_SCRIPT_CONFIG = EXAMPLES / "ds_zero2.json"
+
+
+def run_usercmd_zero_study(root: Path) -> SharedStudy:
+    """The user's own plain-engine script (examples/zero_train.py: ZeRO-2, its own loop of
+    forward, backward and step) through `deepspeed`, unchanged, budget 2, 2 measured steps each."""
+    command = ("deepspeed", "--num_gpus", "2", str(EXAMPLES / "zero_train.py"),
+               "--deepspeed_config", str(ZERO_SCRIPT_CONFIG), "--steps", "100000", "--save-dir", "ckpt")
+    return _run(root, "--budget", "2", "--steps", "2", "--warmup-steps", "1", "--fixed-steps",
+                "--trial-timeout", "600", "--no-metrics", command=command, env=user_env())
 
 
 def copy_study(shared: SharedStudy, dest: Path) -> Path:

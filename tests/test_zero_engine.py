@@ -10,7 +10,7 @@ import json
 
 import pytest
 from launch_helpers import autotune_cli
-from shared_studies import ZERO_BUDGET, ZERO_STAGE
+from shared_studies import REPO, ZERO_BUDGET, ZERO_STAGE
 from step_driver import Driven
 
 from autotune.core.dsconfig import DsConfig, reduce_bucket_acts, reduce_bucket_inert, with_settings
@@ -258,3 +258,44 @@ def test_zero_0_kept_drops_the_reducers_knobs(tmp_path):
         sweep.after(n, p, True, speed[value], None)
     assert n == 3 and sweep.kept[STAGE_KNOB] == "0"
     assert sum("not swept: ZeRO-0 kept" in line for line in notes) == len(ZERO_KNOBS) - 1, notes
+
+
+# -- the user's own plain-engine script (examples/zero_train.py), unchanged ----------------------
+def test_the_users_own_zero_script_is_tuned_unchanged(usercmd_zero_study):
+    """Its own loop of forward, backward and step: every trial ends after its steps at an
+    optimizer-step boundary, before the script's checkpoint; the job is said as what it is."""
+    s = usercmd_zero_study
+    assert s.returncode == 0, s.output[-3000:]
+    assert "2 data-parallel ranks of a plain DeepSpeedEngine (ZeRO-2; not a pipeline job)" in s.output
+    summary = json.loads((s.study / "summary.json").read_text())
+    assert summary["failed_trials"] == 0 and summary["counted_trials"] == 2, summary
+    assert not (s.root / "ckpt").exists()  # autotune's stop came before the script's save
+    assert s.alive_after == []
+
+
+def test_a_users_zero_steps_are_its_optimizer_steps(usercmd_zero_study):
+    """One record per optimizer step (not per micro-batch): warm-up + measured, each with the
+    step's mean loss on every replica, its collectives as communication, no point-to-point."""
+    study = usercmd_zero_study.study
+    for trial in range(2):
+        rows = _rows(study, trial)
+        cfg = json.loads((study / f"trial-{trial:03d}" / "ds_config.json").read_text())
+        for rank in ("0", "1"):
+            mine = [r for r in rows if r["rank"] == rank]
+            assert [r["step"] for r in mine] == ["0", "1", "2"], mine  # 1 warm-up + 2 measured
+            for r in mine:
+                assert r["gradient_accumulation_steps"] == str(cfg["gradient_accumulation_steps"])
+                assert float(r["loss"]) > 0 and r["p2p_seconds"] == "" and float(r["comm_seconds"]) > 0
+                step = float(r["step_seconds"])
+                assert 0 < float(r["compute_seconds"]) < step
+                assert float(r["compute_seconds"]) + float(r["comm_seconds"]) + float(r["wait_seconds"]) <= step * 1.02
+
+
+def test_a_pipeline_only_option_for_a_plain_engines_script_is_one_line(tmp_path):
+    from shared_studies import ZERO_SCRIPT_CONFIG, user_env
+
+    out = autotune_cli("run", "--budget", "1", "--layer-costs", "--", "deepspeed", "--num_gpus", "2",
+                       str(REPO / "examples" / "zero_train.py"), "--deepspeed_config", str(ZERO_SCRIPT_CONFIG),
+                       cwd=tmp_path, env=user_env())
+    assert out.returncode == 2 and "--layer-costs: the script builds a plain DeepSpeedEngine" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr and not (tmp_path / "autotune_study").exists()

@@ -35,7 +35,7 @@ ENV = "AUTOTUNE_USERCMD"
 FILE_ENV = "AUTOTUNE_USERCMD_FILE"
 """Or the path of a file holding them (multi-node: DeepSpeed's env file cannot carry JSON)."""
 EXIT_NOT_PIPELINE = 45
-"""A rank whose deepspeed.initialize returned no PipelineEngine exits with this."""
+"""A rank whose deepspeed.initialize returned no DeepSpeed engine exits with this."""
 MODE_TRIAL, MODE_PROBE, MODE_WATCH = "trial", "probe", "watch"
 
 
@@ -166,17 +166,17 @@ class _RankState:
     def engine_built(self, engine: Any) -> None:
         if self.engine is not None:  # a second engine (e.g. a teacher model): the first is the one tuned
             return
-        from deepspeed.runtime.pipe.engine import PipelineEngine
+        from deepspeed.runtime.engine import DeepSpeedEngine
 
-        if not isinstance(engine, PipelineEngine):
+        if not isinstance(engine, DeepSpeedEngine):  # a PipelineEngine is one too; anything else is not
             name = type(engine).__name__
-            self.write_marker("engine", {"engine": name, "pipeline": False})
+            self.write_marker("engine", {"engine": name, "pipeline": False, "deepspeed": False})
             if self.settings.mode == MODE_WATCH:  # a watched job is never cut short: it runs unwatched
-                print(f"autotune: the script built a {name}, not a PipelineEngine; autotune instruments "
-                      "pipeline-parallel jobs; this rank runs on without metrics", file=sys.stderr, flush=True)
+                print(f"autotune: deepspeed.initialize returned a {name}, not a DeepSpeed engine; "
+                      "this rank runs on without metrics", file=sys.stderr, flush=True)
                 return
-            print(f"autotune: the script built a {name}, not a PipelineEngine; autotune tunes "
-                  "pipeline-parallel jobs; this rank stops here", file=sys.stderr, flush=True)
+            print(f"autotune: deepspeed.initialize returned a {name}, not a DeepSpeed engine; "
+                  "this rank stops here", file=sys.stderr, flush=True)
             _flush_std()
             os._exit(EXIT_NOT_PIPELINE)  # nothing of the script may run on (it would train for days)
         self.engine = engine
@@ -184,12 +184,14 @@ class _RankState:
 
         layout = layout_of(engine)
         self.write_marker("engine", {
-            "engine": type(engine).__name__, "pipeline": layout.topology is not None, "stages": layout.stages,
+            "engine": type(engine).__name__, "pipeline": layout.topology is not None, "deepspeed": True,
+            "zero_stage": int(engine.zero_optimization_stage()), "stages": layout.stages,
             "stage": layout.stage, "dp": layout.data_parallel_size,
             "dp_rank": layout.data_parallel_rank,
             "micro_batch_size": layout.micro_batch_size,
             "gradient_accumulation_steps": layout.accumulation_steps,
-            "parameters": int(sum(p.numel() for p in engine.module.parameters())),
+            # ZeRO-3 partitions each parameter: its full size is `ds_numel` (numel() is this rank's share)
+            "parameters": int(sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters())),
             "parts": [int(x) for x in getattr(engine.module, "parts", [])],  # the layers each stage got
             "layers": layer_classes(engine.module),  # what a type:REGEX partition method matches
             "partition_method": getattr(engine.module, "_autotune_partition_method", None),
@@ -202,7 +204,20 @@ class _RankState:
         self.wiring = wire(engine, self.settings.plan, budget=not watching)
         if watching:
             return
-        measured, budget = engine.train_batch, self.wiring.budget  # the probe's timed train_batch
+        budget = self.wiring.budget
+        from autotune.rank.step_boundary import has_train_batch, plain_steps
+
+        if not has_train_batch(engine):  # a plain engine: the script's loop, one optimizer step at a time
+            self.wiring.watch_steps(engine, self.watchdog)
+
+            def step_ended(loss: Any) -> None:  # after the probe's record (its listener came first)
+                self.calls += 1
+                if not budget.go_on():  # the same decision on every rank, at the same boundary
+                    self.stop()
+
+            plain_steps(engine).ended.append(step_ended)
+            return
+        measured = engine.train_batch  # the probe's timed train_batch
 
         def train_batch(*args: Any, **kwargs: Any) -> Any:
             loss = measured(*args, **kwargs)

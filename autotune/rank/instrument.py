@@ -1,9 +1,12 @@
-"""Per-rank instrumentation of a pipeline engine (DeepSpeed's PipelineEngine, the torch engine).
+"""Per-rank instrumentation of a training engine (DeepSpeed's PipelineEngine, the torch engine, a
+plain DeepSpeedEngine with ZeRO).
 
 Every instruction the engine executes is timed in its category (the engine's instruction
 table, autotune/rank/engine_face.py: for DeepSpeed an instance map over the class's
-`_INSTRUCTION_MAP`, so no DeepSpeed code is patched globally), and every `train_batch()`
-becomes one StepRecord handed to each sink (CSV file, Prometheus endpoint).
+`_INSTRUCTION_MAP`, so no DeepSpeed code is patched globally; a plain engine's phases and
+ZeRO's collectives), and every step becomes one StepRecord handed to each sink (CSV file,
+Prometheus endpoint): a `train_batch()` call, or a plain engine's optimizer step in the
+script's own loop (autotune/rank/step_boundary.py).
 
 DeepSpeed's `wall_clock_breakdown` is not used: it crashes pipeline runs
 (deepspeed-facts.md).
@@ -38,6 +41,7 @@ from autotune.rank.engine_face import (
     layout_of,
 )
 from autotune.rank.p2p_split import P2P_INSTRUCTIONS, P2P_PREFIX, TransferSplit, p2p_category
+from autotune.rank.step_boundary import has_train_batch, plain_steps
 from autotune.rank.timing import CPU_SUFFIX, IntervalTimer, make_timer
 
 P2P_CATEGORIES = frozenset(p2p_category(name) for name in P2P_INSTRUCTIONS)
@@ -84,6 +88,8 @@ class PipelineProbe:
         self.host = socket.gethostname()
         self._installed = False
         self._undo: Callable[[], None] | None = None
+        self._inner_train_batch: Callable | None = None
+        self._began = time.perf_counter()
 
     # -- installation -------------------------------------------------------
     def install(self) -> PipelineProbe:
@@ -104,6 +110,13 @@ class PipelineProbe:
 
         # a wrap another tool already installed (the trace labels) stays underneath ours
         self._undo = instructions_of(eng).wrap(timed)
+        self._installed = True
+        if not has_train_batch(eng):  # a plain engine in the user's own loop: its optimizer steps
+            events = plain_steps(eng)
+            events.begun.append(self._step_began)
+            events.ended.append(self._step_ended)
+            self._inner_train_batch = None
+            return self
         inner = eng.train_batch
 
         def train_batch(*args: Any, **kwargs: Any) -> Any:
@@ -111,8 +124,14 @@ class PipelineProbe:
 
         eng.train_batch = train_batch
         self._inner_train_batch = inner
-        self._installed = True
         return self
+
+    def _step_began(self) -> None:
+        self._began = time.perf_counter()
+
+    def _step_ended(self, loss: Any) -> None:
+        """A plain engine's optimizer step, from its first forward to the boundary's step()."""
+        self._close_step(self._began, loss)
 
     def _found_seq_length(self, length: int | None) -> None:
         self.seq_length = length
@@ -123,7 +142,8 @@ class PipelineProbe:
             return
         if self._undo is not None:
             self._undo()
-        self.engine.train_batch = self._inner_train_batch
+        if self._inner_train_batch is not None:
+            self.engine.train_batch = self._inner_train_batch
         self._installed = False
         self._undo = None
 
@@ -175,11 +195,16 @@ class PipelineProbe:
     def _measured_step(self, inner: Callable, *args: Any, **kwargs: Any) -> Any:
         t0 = time.perf_counter()
         loss = inner(*args, **kwargs)
+        self._close_step(t0, loss)
+        return loss
+
+    def _close_step(self, began: float, loss: Any) -> None:
+        """The step that began at `began` (perf_counter) is over: its record, to every sink."""
         if self.device_type == "cuda":
             import torch
 
             torch.cuda.synchronize()
-        step_seconds = time.perf_counter() - t0
+        step_seconds = time.perf_counter() - began
         parts = self.timer.collect()
         record = self._record(step_seconds, parts, loss)
         self.step += 1
@@ -187,7 +212,6 @@ class PipelineProbe:
             sink.write(record)
         if self.on_step is not None:
             self.on_step(record)
-        return loss
 
     def close_sinks(self) -> None:
         """Flush and close every sink (the CSV fsyncs); one that fails does not keep the rest open."""
@@ -249,8 +273,10 @@ class PipelineProbe:
 
 
 def _loss_value(engine: Any, loss: Any) -> float | None:
-    """The loss lives on the last stage; other ranks report none."""
-    if loss is None or not engine.is_last_stage():
+    """The loss lives on a pipeline's last stage, other ranks report none; on every replica of a
+    plain engine (which has no `is_last_stage`)."""
+    last = getattr(engine, "is_last_stage", None)
+    if loss is None or (last is not None and not last()):
         return None
     value = float(loss.mean().item()) if hasattr(loss, "mean") else float(loss)
     return value  # NaN/inf kept as-is: the trial runner classifies it

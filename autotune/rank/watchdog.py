@@ -283,7 +283,15 @@ _EXIT = _ExitTimer()
 
 def watch_steps(engine: Any, dog: Watchdog) -> None:
     """Time every `engine.train_batch` call with the watchdog (the outermost wrapper: it sees the
-    whole step, the probe's own work included)."""
+    whole step, the probe's own work included); a plain engine's optimizer steps in the script's
+    own loop, from their first forward to the boundary's step() (autotune/rank/step_boundary.py)."""
+    from autotune.rank.step_boundary import has_train_batch, plain_steps
+
+    if not has_train_batch(engine):
+        events = plain_steps(engine)
+        events.begun.append(dog.step_started)
+        events.ended.append(lambda loss: dog.step_ended())
+        return
     inner = engine.train_batch
 
     def train_batch(*args: Any, **kwargs: Any) -> Any:

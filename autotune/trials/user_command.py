@@ -5,7 +5,9 @@ cannot tell it from the built-in workload's runners), with the same trial folder
 ds_config.json, launcher.log, metrics-rankR.csv. The ranks are instrumented by the bootstrap (hook.py), whose
 marker files add three reasons to autotune.trials.judge.judge's classification:
 
-- `not_pipeline`: deepspeed.initialize returned a DeepSpeedEngine, not a PipelineEngine;
+- `unknown_engine`: deepspeed.initialize returned something that is not a DeepSpeed engine (a
+  PipelineEngine, or a plain DeepSpeedEngine with ZeRO, which the bootstrap times by its
+  optimizer steps: autotune/rank/step_boundary.py);
 - `no_engine`: the script exited 0 without ever calling deepspeed.initialize;
 - `ended_early`: the script returned by itself before the trial's warm-up + measured steps.
 
@@ -130,10 +132,10 @@ def judge_user_trial(outcome: LaunchOutcome, run_dir: Path, timeout: float, *, s
     if outcome.launch_error is not None:
         return judge(outcome, run_dir, timeout)
     engines = read_markers(run_dir, "engine")
-    other = next((e for e in engines if not e.get("pipeline")), None)
+    other = next((e for e in engines if e.get("deepspeed") is False), None)
     if other is not None:
-        return failed("not_pipeline", f"the script built a {other.get('engine', 'DeepSpeedEngine')}, not a "
-                                       "PipelineEngine; autotune tunes pipeline-parallel jobs", wall)
+        return failed("unknown_engine", f"deepspeed.initialize returned a {other.get('engine')}, not a DeepSpeed "
+                                         "engine; autotune tunes DeepSpeed's engines", wall)
     if outcome.timed_out and not engines:
         return failed("timeout", f"no result within {timeout:.0f} s, and the script had not returned "
                                   "from deepspeed.initialize; every rank was stopped", wall)
@@ -158,7 +160,10 @@ class PipelineShape:
     micro_batch_size: int
     gradient_accumulation_steps: int
     parameters: int
-    """The whole model's parameters: each stage's counted once."""
+    """The whole model's parameters: each stage's counted once (a plain engine's replica: all of them)."""
+    pipeline: bool = True
+    """False: a plain DeepSpeedEngine (stages 1, every rank a replica)."""
+    zero_stage: int = 0
 
 
 def probe_shape(command: UserCommand, *, ds_config: Path, cwd: Path, timeout: float = PROBE_TIMEOUT,
@@ -180,11 +185,13 @@ def probe_shape(command: UserCommand, *, ds_config: Path, cwd: Path, timeout: fl
     done = read_markers(run_dir, "done")
     if outcome.returncode == 0 and not outcome.timed_out and engines and done:
         first = engines[0]
+        pipeline = bool(first.get("pipeline"))
         per_stage = {e["stage"]: e["parameters"] for e in engines if e.get("pipeline")}
         return PipelineShape(stages=first["stages"], data_parallel_size=first["dp"],
                              micro_batch_size=first["micro_batch_size"],
                              gradient_accumulation_steps=first["gradient_accumulation_steps"],
-                             parameters=sum(per_stage.values())), None, run_dir
+                             parameters=sum(per_stage.values()) if pipeline else int(first["parameters"]),
+                             pipeline=pipeline, zero_stage=int(first.get("zero_stage", 0))), None, run_dir
     failure = judge_user_trial(outcome, run_dir, timeout, steps_needed=0)
     if failure.result.ok:  # exit 0 with metrics but no done marker: cannot happen in probe mode
         failure = failed("crash", "the start-up check ended without reaching deepspeed.initialize", 0.0)

@@ -3,14 +3,14 @@
 For a new study, `prepare_user_job` reads the command, finds and checks the
 user's config, and starts the job once up to `deepspeed.initialize` (the
 shape probe, runner.py) to measure what the search space needs: pipeline
-stages, data-parallel size and the model's parameter count. The user repeats
+stages (1 for a plain DeepSpeedEngine with ZeRO), data-parallel size and the model's parameter count. The user repeats
 no flag for them. It then points the run's options at the user's config and
 shape, so the rest of `autotune run` (validation, space, proposer, study) is
 the built-in workload's, unchanged.
 
 Why a separate start-up rather than learning the shape from trial 0: the space
 (and the proposer built on it) exists before trial 0 runs, and a job that
-cannot be tuned at all (no PipelineEngine, a crash at import) is then one
+cannot be tuned at all (no DeepSpeed engine, a crash at import) is then one
 clear error before a study is created or changed.
 
 The command, its folder and what the probe read (parameter count, stages,
@@ -101,7 +101,8 @@ class UserJob:
         """The run's space with the user's model size bounding the bucket range (not a preset's)."""
         from autotune.tuning.starting_point import build_space
 
-        return build_space(opts, base, model_parameters=self.parameters)
+        # a plain engine's bucket acts at ZeRO 1-3 (autotune/core/dsconfig.py reduce_bucket_inert)
+        return build_space(opts, base, model_parameters=self.parameters, pipeline=(self.pipeline_stages or 2) > 1)
 
     # -- the rest of the workload contract (autotune/tuning/job.py) -----------------------------
     def validate(self, opts: RunOptions) -> None:
@@ -168,30 +169,55 @@ def prepare_user_job(opts: RunOptions, argv: list[str], note: Callable[[str], No
         base.check_no_hf_auto()  # before the start-up check: the job would hand them to DeepSpeed
     except ConfigError as exc:
         raise ConfigError(f"{config}: {exc}") from None
-    base.check_pipeline()
     check_precision(base)  # before starting the job: every trial would fail alike
-    note("start-up check: running the command once, up to deepspeed.initialize, to read the "
-         "pipeline's stages and data-parallel size")
+    note("start-up check: running the command once, up to deepspeed.initialize, to read its engine: "
+         "pipeline stages (or none) and data-parallel size")
     shape, failure, probe_dir = probe_shape(cmd, ds_config=config, cwd=cwd,
                                             timeout=opts.trial_timeout or PROBE_TIMEOUT,
                                             startup_timeout=opts.startup_timeout)
     if failure is not None:
+        hint = ""
+        if base.zero_stage >= 2:  # DeepSpeed's PipelineEngine asserts on it before the bootstrap sees it
+            hint = (f"; if the script builds a PipelineModule: zero_optimization.stage {base.zero_stage} is "
+                    "refused by DeepSpeed with pipeline parallelism (stage 0 or 1)")
         raise UserError(f"the command failed its start-up check ({failure.result.failure_reason}): "
-                        f"{failure.failure_detail}; log kept in {probe_dir / 'launcher.log'}")
+                        f"{failure.failure_detail}; log kept in {probe_dir / 'launcher.log'}{hint}")
     shutil.rmtree(probe_dir, ignore_errors=True)
     assert shape is not None  # no failure: the probe read the engine
-    if shape.stages < 2:
+    if shape.pipeline and shape.stages < 2:
         raise UserError(f"the script's PipelineModule has {shape.stages} stage; autotune tunes pipelines of "
                         "2 or more stages (num_stages)")
-    note(f"the job: {shape.stages} pipeline stages x {shape.data_parallel_size} data-parallel = "
-         f"{shape.stages * shape.data_parallel_size} ranks, {shape.parameters:,} parameters, "
-         f"micro {shape.micro_batch_size} x GAS {shape.gradient_accumulation_steps}")
+    if shape.pipeline:
+        base.check_pipeline()
+        note(f"the job: {shape.stages} pipeline stages x {shape.data_parallel_size} data-parallel = "
+             f"{shape.stages * shape.data_parallel_size} ranks, {shape.parameters:,} parameters, "
+             f"micro {shape.micro_batch_size} x GAS {shape.gradient_accumulation_steps}")
+    else:
+        refuse_pipeline_only(opts)
+        note(f"the job: {shape.data_parallel_size} data-parallel ranks of a plain DeepSpeedEngine (ZeRO-"
+             f"{shape.zero_stage}; not a pipeline job), {shape.parameters:,} parameters, "
+             f"micro {shape.micro_batch_size} x GAS {shape.gradient_accumulation_steps}")
     opts.config = str(config)
     opts.workload.pipeline_stages = shape.stages
     opts.workload.data_parallel_size = shape.data_parallel_size
     return UserJob(argv=list(argv), cwd=str(cwd), parameters=shape.parameters, pipeline_stages=shape.stages,
                    data_parallel_size=shape.data_parallel_size, micro_batch_size=shape.micro_batch_size,
                    gradient_accumulation_steps=shape.gradient_accumulation_steps)
+
+
+def refuse_pipeline_only(opts: RunOptions) -> None:
+    """What only a pipeline job has, asked of a plain engine's job: one line, exit 2."""
+    from autotune.core.options import WorkloadOptions
+
+    wl = opts.workload
+    asked = {"--layer-costs": wl.layer_costs, "--balance-stages": wl.balance_stages,
+             "--partition-method": wl.partition_method != WorkloadOptions().partition_method,
+             "--trace-steps": opts.trace_steps > 0}
+    for flag, given in asked.items():
+        if given:
+            raise UserError(f"{flag}: the script builds a plain DeepSpeedEngine (not a pipeline job); "
+                            f"{flag} is for pipeline jobs" + (" (not available for a plain engine yet)"
+                                                               if flag == "--trace-steps" else ""))
 
 
 def with_autotune_launcher_options(cmd: UserCommand, opts: RunOptions) -> UserCommand:

@@ -324,9 +324,14 @@ class Watch:
             return
         self.noted_engine = True
         e = engines[0]
+        if e.get("deepspeed") is False:
+            self.say(f"watch: deepspeed.initialize returned a {e.get('engine')}, not a DeepSpeed engine: it "
+                     "runs on, without metrics")
+            return
         if not e.get("pipeline"):
-            self.say(f"watch: the script built a {e.get('engine')}, not a PipelineEngine: it runs "
-                              "on, without metrics (autotune instruments pipeline-parallel jobs)")
+            self.say(f"watch: the job: {e['dp']} data-parallel ranks of a plain {e.get('engine')} (ZeRO-"
+                     f"{e.get('zero_stage', 0)}, not a pipeline job), micro {e['micro_batch_size']} x GAS "
+                     f"{e['gradient_accumulation_steps']}")
             return
         self.say(f"watch: the job: {e['stages']} pipeline stages x {e['dp']} data-parallel = "
                           f"{e['stages'] * e['dp']} ranks, micro {e['micro_batch_size']} x GAS "
