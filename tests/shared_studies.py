@@ -13,8 +13,8 @@ value (folders, exit code, output); a test that changes a study works on `copy_s
   script unchanged, budget 3, with the layer-cost hooks, given parts and a 2-step trace.
 - `zero_study`: `autotune run --engine zero`, the built-in decoder as a plain DeepSpeedEngine
   (ZeRO-2, 2 data-parallel ranks, warm workers), budget 6: the ZeRO sweep, then the search.
-- `usercmd_zero_study`: `autotune run -- deepspeed examples/zero_train.py ...`, the user's own
-  plain-engine ZeRO-2 script unchanged, budget 2.
+- `usercmd_zero_study`: `autotune run -- deepspeed examples/zero_train_dict.py ...`, the user's own
+  plain-engine ZeRO-2 script with its config built in code, unchanged, budget 2.
 """
 
 from __future__ import annotations
@@ -140,13 +140,14 @@ def run_zero_study(root: Path) -> SharedStudy:
 
 
 ZERO_SCRIPT_CONFIG = EXAMPLES / "ds_zero2.json"
+ZERO_DICT_SCRIPT = EXAMPLES / "zero_train_dict.py"
 
 
 def run_usercmd_zero_study(root: Path) -> SharedStudy:
-    """The user's own plain-engine script (examples/zero_train.py: ZeRO-2, its own loop of
-    forward, backward and step) through `deepspeed`, unchanged, budget 2, 2 measured steps each."""
-    command = ("deepspeed", "--num_gpus", "2", str(EXAMPLES / "zero_train.py"),
-               "--deepspeed_config", str(ZERO_SCRIPT_CONFIG), "--steps", "100000", "--save-dir", "ckpt")
+    """The user's own plain-engine script with its config built in code (examples/zero_train_dict.py:
+    a ZeRO-2 dict passed as `config=`, its own loop of forward, backward and step) through
+    `deepspeed`, unchanged, budget 2, 2 measured steps each."""
+    command = ("deepspeed", "--num_gpus", "2", str(ZERO_DICT_SCRIPT), "--steps", "100000", "--save-dir", "ckpt")
     return _run(root, "--budget", "2", "--steps", "2", "--warmup-steps", "1", "--fixed-steps",
                 "--trial-timeout", "600", "--no-metrics", command=command, env=user_env())
 

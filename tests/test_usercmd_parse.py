@@ -72,8 +72,6 @@ def test_module_script_is_not_checked_as_a_file(job):
     (["deepspeed", "--num_gpus"], "needs a value"),
     (["deepspeed", "--num_gpu", "2", "train.py", "--deepspeed_config", "ds.json"], "not an option"),
     (["deepspeed", "missing.py", "--deepspeed_config", "ds.json"], "not found"),
-    (["deepspeed", "train.py", "--steps", "3"], "cannot find the DeepSpeed config"),
-    (["deepspeed", "train.py", "--ds-config", "ds.json"], "cannot find the DeepSpeed config"),
     (["deepspeed", "train.py", "--deepspeed_config"], "no file after it"),
     (["deepspeed", "train.py", "--deepspeed_config", "--steps"], "no file after it"),
     (["deepspeed", "train.py", "--deepspeed_config="], "has no file"),
@@ -84,6 +82,21 @@ def test_bad_commands_are_one_line_errors(job, argv, words):
         parse_command(argv, cwd=job)
     assert words in str(err.value)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("argv", [["deepspeed", "train.py", "--steps", "3"],
+                                  ["deepspeed", "train.py", "--ds-config", "ds.json"]])
+def test_a_command_that_names_no_config_builds_it_in_code(job, argv):
+    """`run` reads such a script's config at deepspeed.initialize; `watch`, which reads the file,
+    says it cannot find one; --config cannot reach a config built in code."""
+    cmd = parse_command(argv, cwd=job)
+    assert cmd.config_in_code and not cmd.uses_placeholder
+    assert cmd.config_path(None, job, in_code=True) is None
+    assert cmd.argv_for(None, 29500)[-len(argv) + 1:] == argv[1:]  # the script's own arguments, untouched
+    with pytest.raises(UserError, match="cannot find the DeepSpeed config"):
+        cmd.config_path(None, job)
+    with pytest.raises(UserError, match="--config ds.json: the command names no DeepSpeed config"):
+        cmd.config_path("ds.json", job, in_code=True)
 
 
 def test_option_tables_match_the_installed_launchers():

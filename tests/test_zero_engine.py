@@ -284,7 +284,9 @@ def test_a_users_zero_steps_are_its_optimizer_steps(usercmd_zero_study):
             mine = [r for r in rows if r["rank"] == rank]
             assert [r["step"] for r in mine] == ["0", "1", "2"], mine  # 1 warm-up + 2 measured
             for r in mine:
-                assert r["gradient_accumulation_steps"] == str(cfg["gradient_accumulation_steps"])
+                gas = cfg.get("gradient_accumulation_steps") or cfg["train_batch_size"] // (
+                    cfg["train_micro_batch_size_per_gpu"] * 2)  # DeepSpeed derives it where the config does not say
+                assert r["gradient_accumulation_steps"] == str(gas)
                 assert float(r["loss"]) > 0 and r["p2p_seconds"] == "" and float(r["comm_seconds"]) > 0
                 step = float(r["step_seconds"])
                 assert 0 < float(r["compute_seconds"]) < step
@@ -299,3 +301,35 @@ def test_a_pipeline_only_option_for_a_plain_engines_script_is_one_line(tmp_path)
                        cwd=tmp_path, env=user_env())
     assert out.returncode == 2 and "--layer-costs: the script builds a plain DeepSpeedEngine" in out.stderr, out.stderr
     assert "Traceback" not in out.stderr and not (tmp_path / "autotune_study").exists()
+
+
+def test_a_config_built_in_code_is_the_baseline_and_the_best_is_it_tuned(usercmd_zero_study):
+    """The script's dict, read at deepspeed.initialize by the start-up check, is the baseline;
+    every trial is handed its own there; best_ds_config.json is the dict with the tuned values."""
+    s = usercmd_zero_study
+    assert "the config: the script's own config, built in code" in s.output
+    best = json.loads((s.study / "best_ds_config.json").read_text())
+    summary = json.loads((s.study / "summary.json").read_text())
+    assert best["zero_optimization"]["stage"] == 2 and best["optimizer"]["type"] == "Adam"
+    assert best["train_micro_batch_size_per_gpu"] == summary["best"]["micro_batch_size"]
+    for t in summary["trials"]:  # each trial ran the config it was handed, not the script's own
+        rows = _rows(s.study, t["trial"])
+        assert {r["micro_batch_size"] for r in rows} == {str(t["micro_batch_size"])}, t
+
+
+def test_the_bootstrap_reads_a_config_from_code_and_hands_the_trials_in_its_place(tmp_path):
+    from types import SimpleNamespace
+
+    from autotune.rank.hook import script_config, trial_config_in_place
+
+    assert script_config((), {"config": {"a": 1}}) == {"source": "code", "config": {"a": 1}}
+    assert script_config((), {"config": {"f": print}})["config"] is None  # not JSON: said, not guessed
+    args = SimpleNamespace(deepspeed_config="ds.json")
+    assert script_config((args,), {})["source"] == "args"
+    assert script_config((), {}) == {"source": "none"}
+    trial = tmp_path / "ds_config.json"
+    trial.write_text('{"train_micro_batch_size_per_gpu": 4}')
+    assert trial_config_in_place((), {"config": {"x": 1}, "model": "m"}, str(trial)) == {
+        "config": {"train_micro_batch_size_per_gpu": 4}, "model": "m"}
+    out = trial_config_in_place((), {"args": args}, str(trial))
+    assert out["config"] == {"train_micro_batch_size_per_gpu": 4} and args.deepspeed_config is None

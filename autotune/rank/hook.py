@@ -49,13 +49,17 @@ class BootstrapSettings(JsonForm):
     """`trial`: instrument and stop after warm-up + measured steps; `probe`: stop right
     after deepspeed.initialize (the start-up check that reads the pipeline's shape);
     `watch`: instrument and never stop (`autotune watch`: the job runs as long as it runs)."""
+    ds_config: str | None = None
+    """A script that builds its DeepSpeed config in code: the trial's ds_config.json, handed to
+    `deepspeed.initialize` in place of the script's own (`config=`); None: the command names the
+    file, and the trial's is in its place on the command line."""
 
     @property
     def total_steps(self) -> int:
         return self.plan.total_steps
 
     def to_dict(self) -> dict[str, Any]:
-        return {"plan": self.plan.to_dict(), "mode": self.mode}
+        return {"plan": self.plan.to_dict(), "mode": self.mode, "ds_config": self.ds_config}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> BootstrapSettings:
@@ -133,6 +137,10 @@ def _patch(deepspeed: Any, state: _RankState) -> None:
 
     @functools.wraps(original)
     def initialize(*args: Any, **kwargs: Any) -> Any:
+        if state.settings.mode == MODE_PROBE:
+            state.write_marker("config", script_config(args, kwargs))  # the start-up check's baseline
+        if state.settings.ds_config is not None:
+            kwargs = trial_config_in_place(args, kwargs, state.settings.ds_config)
         result = original(*args, **kwargs)
         engine = result[0] if isinstance(result, tuple) else result
         state.engine_built(engine)
@@ -265,6 +273,38 @@ class _RankState:
             return
         self.close_sinks()
         self.write_marker("exit", {"train_batch_calls": self.calls})
+
+
+CONFIG_KEYS = ("config", "config_params")
+"""`deepspeed.initialize`'s keywords for a config given in code (config_params: the older name)."""
+
+
+def script_config(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The config the script hands `deepspeed.initialize`, as the start-up check records it: a
+    dict given in code, a path given in code, or `args.deepspeed_config` (the command's)."""
+    given = next((kwargs[k] for k in CONFIG_KEYS if kwargs.get(k) is not None), None)
+    if isinstance(given, dict):
+        try:
+            return {"source": "code", "config": json.loads(json.dumps(given))}
+        except (TypeError, ValueError) as exc:  # a value JSON cannot hold (a callable, a tensor)
+            return {"source": "code", "config": None, "error": f"not JSON: {exc}"}
+    if isinstance(given, (str, os.PathLike)):
+        return {"source": "path", "path": os.path.abspath(os.fspath(given))}
+    cli = getattr(kwargs.get("args", args[0] if args else None), "deepspeed_config", None)
+    return {"source": "args", "path": os.path.abspath(cli)} if cli else {"source": "none"}
+
+
+def trial_config_in_place(args: tuple[Any, ...], kwargs: dict[str, Any], path: str) -> dict[str, Any]:
+    """`deepspeed.initialize`'s keywords with the trial's config in place of the script's own."""
+    with open(path, encoding="utf-8") as fh:
+        trial = json.load(fh)
+    out = dict(kwargs)
+    key = next((k for k in CONFIG_KEYS if out.get(k) is not None), "config")
+    out[key] = trial
+    holder = out.get("args", args[0] if args else None)
+    if getattr(holder, "deepspeed_config", None):  # DeepSpeed refuses a config given twice
+        holder.deepspeed_config = None
+    return out
 
 
 def layer_classes(module: Any) -> list[str]:

@@ -59,7 +59,8 @@ def describe_job(user_command: dict[str, Any] | None, workload: dict[str, Any] |
     facts.append(layout)
     micro, gas = uc.get("micro_batch_size"), uc.get("gradient_accumulation_steps")
     if micro and gas:
-        facts.append(f"micro-batch {micro} x GAS {gas} in its config")
+        facts.append(f"micro-batch {micro} x GAS {gas} in its config"
+                     + (" (built in code)" if uc.get("script_config") is not None else ""))
     facts = [f for f in facts if f]
     checked = f" (start-up check: {', '.join(facts)})" if facts else ""
     return f"the command {quote(short_command(uc['argv']))}{checked}"

@@ -59,7 +59,7 @@ class CommandProcess(TrialProcess):
     `--no_local_rank`, and a user's script may need `--local_rank`.
     """
 
-    def __init__(self, spec: LaunchSpec, command: UserCommand, ds_config: Path, cwd: Path, *,
+    def __init__(self, spec: LaunchSpec, command: UserCommand, ds_config: Path | None, cwd: Path, *,
                  master_port: int | None = None) -> None:
         super().__init__(spec)
         self.command, self.ds_config, self.cwd = command, ds_config, cwd
@@ -107,7 +107,7 @@ def multi_node_command(command: UserCommand, settings: BootstrapSettings, run_di
     return command, cluster
 
 
-def launch(command: UserCommand, *, ds_config: Path, cwd: Path, run_dir: Path, settings: BootstrapSettings,
+def launch(command: UserCommand, *, ds_config: Path | None, cwd: Path, run_dir: Path, settings: BootstrapSettings,
            timeout: float, on_start: Callable[[TrialProcess], None] | None = None) -> LaunchOutcome:
     spec = LaunchSpec(num_ranks=0, script_args=[], log_path=run_dir / "launcher.log", timeout=timeout,
                       env=rank_env(settings), launcher=list(command.prefix))
@@ -164,9 +164,12 @@ class PipelineShape:
     pipeline: bool = True
     """False: a plain DeepSpeedEngine (stages 1, every rank a replica)."""
     zero_stage: int = 0
+    script_config: dict | None = None
+    """What the script handed `deepspeed.initialize` (rank 0's `config-rank0.json` marker,
+    autotune/rank/hook.py `script_config`): `source` code, path, args or none."""
 
 
-def probe_shape(command: UserCommand, *, ds_config: Path, cwd: Path, timeout: float = PROBE_TIMEOUT,
+def probe_shape(command: UserCommand, *, ds_config: Path | None, cwd: Path, timeout: float = PROBE_TIMEOUT,
                 startup_timeout: float | None = None) -> tuple[PipelineShape | None, TrialOutcome | None, Path]:
     """Start the job once, up to deepspeed.initialize, to read stages and dp from its engine.
 
@@ -191,7 +194,8 @@ def probe_shape(command: UserCommand, *, ds_config: Path, cwd: Path, timeout: fl
                              micro_batch_size=first["micro_batch_size"],
                              gradient_accumulation_steps=first["gradient_accumulation_steps"],
                              parameters=sum(per_stage.values()) if pipeline else int(first["parameters"]),
-                             pipeline=pipeline, zero_stage=int(first.get("zero_stage", 0))), None, run_dir
+                             pipeline=pipeline, zero_stage=int(first.get("zero_stage", 0)),
+                             script_config=next(iter(read_markers(run_dir, "config")), None)), None, run_dir
     failure = judge_user_trial(outcome, run_dir, timeout, steps_needed=0)
     if failure.result.ok:  # exit 0 with metrics but no done marker: cannot happen in probe mode
         failure = failed("crash", "the start-up check ended without reaching deepspeed.initialize", 0.0)
@@ -234,8 +238,10 @@ class UserCommandRunner:
         return trial_ds_config(self.base_config, config, self.data_parallel_size, own_when_unchanged=True)
 
     def settings_for(self, request: TrialRequest, trial_dir: Path) -> BootstrapSettings:
-        """What the trial's ranks are told (through the bootstrap's environment or file)."""
-        return BootstrapSettings(mode=MODE_TRIAL, plan=plan_for(request, trial_dir, self.rank_settings))
+        """What the trial's ranks are told (through the bootstrap's environment or file); a script
+        that builds its config in code is handed the trial's at `deepspeed.initialize`."""
+        return BootstrapSettings(mode=MODE_TRIAL, plan=plan_for(request, trial_dir, self.rank_settings),
+                                 ds_config=str(trial_dir / "ds_config.json") if self.command.config_in_code else None)
 
     @property
     def rank_settings(self) -> RankSettings:

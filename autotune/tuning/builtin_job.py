@@ -18,7 +18,7 @@ from autotune.study.store import Study
 from autotune.trials.builtin import builtin_runner
 from autotune.trials.contract import Runner
 from autotune.trials.multinode import Cluster
-from autotune.tuning.starting_point import build_space, require_optimizer
+from autotune.tuning.starting_point import build_space, load_base_config, require_optimizer
 from autotune.tuning.steps import SettingStep
 from autotune.tuning.validation import validate
 
@@ -40,6 +40,9 @@ class BuiltinJob:
     @staticmethod
     def engine(opts: RunOptions) -> Engine:
         return engine_named(opts.workload.engine)
+
+    def base_config(self, opts: RunOptions) -> DsConfig:
+        return load_base_config(opts)
 
     def check_config(self, opts: RunOptions, base: DsConfig) -> None:
         self.engine(opts).check_config(opts, base)  # what the engine cannot build at all, first

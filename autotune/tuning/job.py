@@ -30,6 +30,11 @@ class TuningJob(Protocol):
         """The options checked for this job (one line and exit 2 on bad input), before any study."""
         ...
 
+    def base_config(self, opts: RunOptions) -> DsConfig:
+        """The starting ds_config: the run's file (`--config`, the command's), or the one the
+        user's script builds in code (read by its start-up check)."""
+        ...
+
     def check_config(self, opts: RunOptions, base: DsConfig) -> None:
         """What would fail every trial alike, checked once before a study is touched."""
         ...

@@ -22,7 +22,7 @@ from autotune.tuning.builtin_job import BuiltinJob
 from autotune.tuning.callbacks import LiveMetricsCallback, ProgressCallback
 from autotune.tuning.display import ProgressDisplay
 from autotune.tuning.job import TuningJob
-from autotune.tuning.starting_point import baseline_config, load_base_config
+from autotune.tuning.starting_point import baseline_config
 from autotune.tuning.steps import TunerCallback
 from autotune.tuning.tuner import Tuner, TuneResult, dump_space
 
@@ -64,7 +64,7 @@ def prepare(opts: RunOptions, job: TuningJob) -> tuple[DsConfig, SearchSpace]:
     """Validate, then build the starting config and the search space once, before the study
     folder is touched: a new study is never created with settings that cannot run."""
     job.validate(opts)
-    base = load_base_config(opts)
+    base = job.base_config(opts)
     check_precision(base)  # a precision the devices lack would fail every trial alike
     job.check_config(opts, base)  # so would a config the job cannot run
     return base, job.space(opts, base)
@@ -107,7 +107,7 @@ def tune(opts: RunOptions, display: ProgressDisplay | None = None, *,
         if stored is not opts:  # a resumed study runs the settings it was created with
             opts = stored
             job = resumed_job(study, job)
-            base = load_base_config(opts)
+            base = job.base_config(opts)
             check_precision(base)  # ask again for the stored config, before anything is written
             cluster = _cluster(opts, display)
         space = job.space(opts, base)

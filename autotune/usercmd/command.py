@@ -89,17 +89,31 @@ class UserCommand:
     script: str
     script_args: tuple[str, ...]
     config_at: int | None
-    """Index in script_args of the `--deepspeed_config` value (None: the {config} placeholder)."""
+    """Index in script_args of the `--deepspeed_config` value (None: the {config} placeholder, or
+    a config built in code)."""
     user_config: str | None
     """The config path the command names; None with the placeholder (then --config gives it)."""
+    config_in_code: bool = False
+    """The command names no config: the script builds its own and hands it to
+    `deepspeed.initialize` (`config=`), where the bootstrap reads it and gives each trial its own
+    (autotune/rank/hook.py)."""
 
     @property
     def uses_placeholder(self) -> bool:
-        return self.config_at is None
+        return self.config_at is None and not self.config_in_code
 
-    def config_path(self, given: str | None, cwd: Path) -> Path:
+    def config_path(self, given: str | None, cwd: Path, *, in_code: bool = False) -> Path | None:
         """The job's DeepSpeed config, absolute: the one the command names, or `--config` where
-        the command takes it through {config}. Both, or neither: one line (`run` and `watch`)."""
+        the command takes it through {config}. Both, or neither: one line (`run` and `watch`).
+        `in_code=True` (`run`): a command that names none builds its config in code: None."""
+        if self.config_in_code:
+            if not in_code:
+                raise UserError(NO_CONFIG)
+            if given:
+                raise UserError(f"--config {given}: the command names no DeepSpeed config, so the script's "
+                                "own (built in code) is the one it runs; drop --config, or pass the file to "
+                                "the script as --deepspeed_config FILE")
+            return None
         if self.uses_placeholder:
             if not given:
                 raise UserError("the command takes the config through {config}; give the config file "
@@ -110,10 +124,13 @@ class UserCommand:
                             "or write {config} in the command")
         return (cwd / str(self.user_config)).resolve()
 
-    def argv_for(self, ds_config: str | Path, master_port: int) -> list[str]:
-        """This trial's command: its config path in the config's place, its own master port."""
+    def argv_for(self, ds_config: str | Path | None, master_port: int) -> list[str]:
+        """This trial's command: its config path in the config's place (a config built in code
+        is handed over by the bootstrap instead), its own master port."""
         script_args = list(self.script_args)
-        if self.config_at is None:
+        if self.config_in_code:
+            pass
+        elif self.config_at is None:
             script_args = [a.replace(PLACEHOLDER, str(ds_config)) for a in script_args]
         else:
             i = self.config_at
@@ -205,10 +222,10 @@ def parse_command(argv: list[str] | tuple[str, ...], *, cwd: Path) -> UserComman
     if not not_a_file and not (cwd / script).is_file():
         raise UserError(f"training script {script!r} not found (relative to {cwd}); "
                         "run autotune from the folder you would launch the job from")
-    config_at, user_config = _find_config(script_args)
+    config_at, user_config, in_code = _find_config(script_args)
     return UserCommand(argv=argv, launcher=launcher, prefix=prefix, launcher_args=launcher_args,
                        script=script, script_args=script_args, config_at=config_at,
-                       user_config=user_config)
+                       user_config=user_config, config_in_code=in_code)
 
 
 def check_launcher_installed(cmd: UserCommand) -> None:
@@ -252,14 +269,18 @@ def _launcher_options(launcher: str, rest: tuple[str, ...]) -> tuple[tuple[str, 
     return rest, None, not_a_file
 
 
-def _find_config(script_args: tuple[str, ...]) -> tuple[int | None, str | None]:
+NO_CONFIG = ("autotune cannot find the DeepSpeed config in the command: pass it to the script as "
+             "--deepspeed_config FILE, or write {config} where the script takes it and give the starting "
+             "config with --config FILE")
+
+
+def _find_config(script_args: tuple[str, ...]) -> tuple[int | None, str | None, bool]:
+    """(where the config's value is, the file named, whether the script builds its own in code)."""
     if any(PLACEHOLDER in a for a in script_args):
-        return None, None
+        return None, None, False
     hits = [i for i, a in enumerate(script_args) if a.partition("=")[0] in CONFIG_FLAGS]
     if not hits:
-        raise UserError("autotune cannot find the DeepSpeed config in the command: pass it to the "
-                        "script as --deepspeed_config FILE, or write {config} where the script takes "
-                        "it and give the starting config with --config FILE")
+        return None, None, True
     if len(hits) > 1:
         raise UserError(f"the command names the DeepSpeed config {len(hits)} times; name it once "
                         "(--deepspeed_config FILE)")
@@ -268,10 +289,10 @@ def _find_config(script_args: tuple[str, ...]) -> tuple[int | None, str | None]:
     if eq:
         if not value:
             raise UserError(f"{flag}= has no file; write {flag}=ds_config.json")
-        return i, value
+        return i, value, False
     if i + 1 >= len(script_args) or script_args[i + 1].startswith("-"):
         raise UserError(f"{flag} has no file after it; write {flag} ds_config.json")
-    return i + 1, script_args[i + 1]
+    return i + 1, script_args[i + 1], False
 
 
 def _without_master_port(args: tuple[str, ...]) -> list[str]:

@@ -58,6 +58,10 @@ class UserJob:
     micro_batch_size: int | None = None
     gradient_accumulation_steps: int | None = None
     """What the start-up check read from the engine (None: a study stored before these fields)."""
+    script_config: dict | None = None
+    """The DeepSpeed config the script builds in code (the command names no file), as its start-up
+    check read it at `deepspeed.initialize`: the baseline, and what every trial's config is made
+    from; None: the command names the file (`--deepspeed_config`, or `{config}` with `--config`)."""
 
     def command(self) -> UserCommand:
         return parse_command(self.argv, cwd=Path(self.cwd))
@@ -109,6 +113,14 @@ class UserJob:
         from autotune.tuning.validation import validate
 
         validate(opts, built_in=False)  # the preset's limits do not apply to the user's model
+
+    def base_config(self, opts: RunOptions) -> DsConfig:
+        """The config the script builds in code, as its start-up check read it; else its file."""
+        if self.script_config is not None:
+            return DsConfig.from_dict(self.script_config, source=FROM_CODE)
+        from autotune.tuning.starting_point import load_base_config
+
+        return load_base_config(opts)
 
     def check_config(self, opts: RunOptions, base: DsConfig) -> None:
         """The user's config was checked when the job was read (`prepare_user_job`)."""
@@ -163,27 +175,32 @@ def prepare_user_job(opts: RunOptions, argv: list[str], note: Callable[[str], No
     if cluster is not None:
         note(f"nodes: {cluster.describe()}" + (f" (multi-node through {cluster.options.launcher})"
                                                  if cluster.multi_node else ""))
-    config = cmd.config_path(opts.config, cwd)
-    base = load_ds_config(config)  # missing or unparseable: one line, exit 2
-    try:
-        base.check_no_hf_auto()  # before the start-up check: the job would hand them to DeepSpeed
-    except ConfigError as exc:
-        raise ConfigError(f"{config}: {exc}") from None
-    check_precision(base)  # before starting the job: every trial would fail alike
+    config = cmd.config_path(opts.config, cwd, in_code=True)  # None: the script builds its own
+    if config is not None:
+        base = load_ds_config(config)  # missing or unparseable: one line, exit 2
+        _checked(base, str(config))  # before the start-up check: every trial would fail alike
     note("start-up check: running the command once, up to deepspeed.initialize, to read its engine: "
-         "pipeline stages (or none) and data-parallel size")
+         "pipeline stages (or none) and data-parallel size" + ("" if config is not None else
+                                                                ", and the DeepSpeed config the script builds"))
     shape, failure, probe_dir = probe_shape(cmd, ds_config=config, cwd=cwd,
                                             timeout=opts.trial_timeout or PROBE_TIMEOUT,
                                             startup_timeout=opts.startup_timeout)
     if failure is not None:
         hint = ""
-        if base.zero_stage >= 2:  # DeepSpeed's PipelineEngine asserts on it before the bootstrap sees it
+        if config is not None and base.zero_stage >= 2:  # DeepSpeed's PipelineEngine asserts on it before the bootstrap sees it
             hint = (f"; if the script builds a PipelineModule: zero_optimization.stage {base.zero_stage} is "
                     "refused by DeepSpeed with pipeline parallelism (stage 0 or 1)")
         raise UserError(f"the command failed its start-up check ({failure.result.failure_reason}): "
                         f"{failure.failure_detail}; log kept in {probe_dir / 'launcher.log'}{hint}")
     shutil.rmtree(probe_dir, ignore_errors=True)
     assert shape is not None  # no failure: the probe read the engine
+    script_config = None
+    if config is None:
+        base = config_from_code(shape.script_config)
+        _checked(base, FROM_CODE)
+        script_config = dict(base.raw)
+        note(f"the config: {FROM_CODE}, read at deepspeed.initialize; each trial's is handed to it there, "
+             f"and best_ds_config.json is it with the tuned values")
     if shape.pipeline and shape.stages < 2:
         raise UserError(f"the script's PipelineModule has {shape.stages} stage; autotune tunes pipelines of "
                         "2 or more stages (num_stages)")
@@ -197,12 +214,39 @@ def prepare_user_job(opts: RunOptions, argv: list[str], note: Callable[[str], No
         note(f"the job: {shape.data_parallel_size} data-parallel ranks of a plain DeepSpeedEngine (ZeRO-"
              f"{shape.zero_stage}; not a pipeline job), {shape.parameters:,} parameters, "
              f"micro {shape.micro_batch_size} x GAS {shape.gradient_accumulation_steps}")
-    opts.config = str(config)
+    opts.config = str(config) if config is not None else None
     opts.workload.pipeline_stages = shape.stages
     opts.workload.data_parallel_size = shape.data_parallel_size
     return UserJob(argv=list(argv), cwd=str(cwd), parameters=shape.parameters, pipeline_stages=shape.stages,
                    data_parallel_size=shape.data_parallel_size, micro_batch_size=shape.micro_batch_size,
-                   gradient_accumulation_steps=shape.gradient_accumulation_steps)
+                   gradient_accumulation_steps=shape.gradient_accumulation_steps, script_config=script_config)
+
+
+FROM_CODE = "the script's own config, built in code"
+
+
+def _checked(base: DsConfig, where: str) -> None:
+    """HF's "auto" values and the devices' precision: one line before any trial."""
+    try:
+        base.check_no_hf_auto()  # the job would hand them to DeepSpeed, which does not fill them
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+    check_precision(base)
+
+
+def config_from_code(marker: dict | None) -> DsConfig:
+    """The config the start-up check saw the script hand `deepspeed.initialize` (autotune/rank/hook.py
+    `script_config`): a dict built in code, or a file the code (or its own argument default) names."""
+    source = (marker or {}).get("source", "none")
+    if source == "code":
+        if marker.get("config") is None:  # type: ignore[union-attr]
+            raise UserError(f"the script's DeepSpeed config, built in code, cannot be written as JSON "
+                            f"({marker.get('error')}); keep its values plain numbers, strings and lists")  # type: ignore[union-attr]
+        return DsConfig.from_dict(marker["config"], source=FROM_CODE)  # type: ignore[index]
+    if source in ("path", "args"):
+        return load_ds_config(marker["path"])  # type: ignore[index]
+    raise UserError("the script gave deepspeed.initialize no DeepSpeed config (the command names none, and "
+                    "no config= in its code): pass it as --deepspeed_config FILE")
 
 
 def refuse_pipeline_only(opts: RunOptions) -> None:
