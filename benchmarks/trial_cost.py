@@ -6,6 +6,11 @@ per trial), and picks a configuration as good as the fresh run's.
 
     .venv/bin/python benchmarks/trial_cost.py [--budget 20] [--rounds 1] [--repeats 3] [--out DIR]
     .venv/bin/python benchmarks/trial_cost.py --quick    # CI smoke run: 2 ranks, budget 2
+    .venv/bin/python benchmarks/trial_cost.py --engine zero --budget 8   # issue 42: the ZeRO engine
+
+`--engine zero` runs the built-in decoder as a plain DeepSpeedEngine on 2 data-parallel ranks
+(its ZeRO sweep among the trials); the picks are re-measured with the ZeRO settings each study
+kept (its knobs.json).
 
 Each round runs `autotune run` on the default demo once per mode (`--modes OLD NEW`,
 default `before now`: see MODE_ARGS), the order alternated from round to round so a
@@ -81,6 +86,15 @@ def run_study(mode: str, folder: Path, budget: int, extra: list[str]) -> dict:
             "trials": len(summary["trials"]), "early": proc.stdout.count("stopped early: ")}  # the note, once per trial
 
 
+def kept_knobs(folder: Path) -> dict[str, str]:
+    """The settings a study's knob sweep kept (the ZeRO engine's stage, ...): its picks ran with them."""
+    try:
+        kept = json.loads((folder / "knobs.json").read_text())["kept"]
+    except (OSError, ValueError, KeyError):
+        return {}
+    return {k: v for k, v in kept.items() if v is not None}
+
+
 def config_of(best: dict) -> TrialConfig:
     return TrialConfig(micro_batch_size=best["micro_batch_size"],
                        gradient_accumulation_steps=best["gradient_accumulation_steps"],
@@ -96,9 +110,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--modes", nargs=2, default=list(MODES), choices=list(MODE_ARGS), metavar="MODE",
                     help=f"the two ways to run, compared (default: {' '.join(MODES)}; any of {', '.join(MODE_ARGS)})")
     ap.add_argument("--quick", action="store_true", help=f"budget 2, 1 round, 1 repeat, {QUICK_ARGS}")
+    ap.add_argument("--engine", default="deepspeed", choices=["deepspeed", "zero"],
+                    help="the built-in workload's engine (zero: a plain DeepSpeedEngine, 2 data-parallel ranks)")
     args = ap.parse_args(argv)
     modes = tuple(args.modes)
-    extra = QUICK_ARGS if args.quick else []
+    extra = list(QUICK_ARGS) if args.quick else []
+    if args.engine != "deepspeed":
+        extra += ["--engine", args.engine]
     if args.quick:
         args.budget, args.rounds, args.repeats = 2, 1, 1  # the baseline and one more: each code path once
     out = Path(args.out or tempfile.mkdtemp(prefix="autotune-trial-cost-"))
@@ -131,23 +149,33 @@ def main(argv: list[str] | None = None) -> int:
     print(f"speed-up of the whole run ({old} wall / {new} wall): {med[old]['wall'] / med[new]['wall']:.2f}x")
 
     # the picks, re-measured alternately in fresh processes (neutral to the mode under test)
-    wl = WorkloadOptions(workers="fresh")
+    from autotune.engines.registry import engine_named
+
+    wl = WorkloadOptions(workers="fresh", engine=args.engine)
+    engine = engine_named(args.engine)
+    engine.validate(RunOptions(workload=wl))  # the engine's shape (the ZeRO engine: one "stage")
     if args.quick:
         wl.data_parallel_size, wl.steps, wl.warmup_steps = 1, 2, 1
-    runner = builtin_runner(wl, load_base_config(RunOptions(workload=wl)))
-    picks = {mode: config_of(next(x for x in runs if x["mode"] == mode)["best"]) for mode in modes}
+    runner = builtin_runner(wl, load_base_config(RunOptions(workload=wl)), launch=engine.launch,
+                            config_knobs=engine.config_knobs)
+    first = {mode: next(x for x in runs if x["mode"] == mode) for mode in modes}
+    picks = {mode: config_of(first[mode]["best"]) for mode in modes}
+    knobs = {mode: kept_knobs(out / f"{mode}-1") for mode in modes}
     again: dict[str, list[float]] = {m: [] for m in modes}
     n = 0
     for _ in range(args.repeats):
         for mode in modes:
-            o = runner.run(TrialRequest(number=n, config=picks[mode], trial_dir=out / "remeasure" / f"trial-{n:03d}", timeout=900))
+            o = runner.run(TrialRequest(number=n, config=picks[mode], trial_dir=out / "remeasure" / f"trial-{n:03d}",
+                                        timeout=900, knob_values=dict(knobs[mode])))
             again[mode].append(o.result.samples_per_second if o.result.ok else 0.0)
             n += 1
     for mode in modes:
+        if knobs[mode]:
+            print(f"{mode} kept: {', '.join(f'{k}={v}' for k, v in knobs[mode].items())}")
         print(f"{mode} pick: {picks[mode].describe()}: re-measured median "
               f"{statistics.median(again[mode]):.1f} samples/s over {len(again[mode])}")
     rel = statistics.median(again[new]) / max(statistics.median(again[old]), 1e-9)
-    if picks[new].key() == picks[old].key():
+    if picks[new].key() == picks[old].key() and knobs[new] == knobs[old]:
         # one configuration: its two alternated series differ by this machine's noise alone
         print(f"{new} pick / {old} pick: the same configuration (100%); its two re-measured series "
               f"read {statistics.median(again[new]):.1f} and {statistics.median(again[old]):.1f} "

@@ -310,11 +310,19 @@ def test_a_config_built_in_code_is_the_baseline_and_the_best_is_it_tuned(usercmd
     assert "the config: the script's own config, built in code" in s.output
     best = json.loads((s.study / "best_ds_config.json").read_text())
     summary = json.loads((s.study / "summary.json").read_text())
-    assert best["zero_optimization"]["stage"] == 2 and best["optimizer"]["type"] == "Adam"
+    ran = json.loads((s.study / f"trial-{summary['best']['trial']:03d}" / "ds_config.json").read_text())
+    assert best == ran and best["optimizer"]["type"] == "Adam" and best["steps_per_print"] == 10**6
     assert best["train_micro_batch_size_per_gpu"] == summary["best"]["micro_batch_size"]
     for t in summary["trials"]:  # each trial ran the config it was handed, not the script's own
         rows = _rows(s.study, t["trial"])
         assert {r["micro_batch_size"] for r in rows} == {str(t["micro_batch_size"])}, t
+        engine = json.loads((s.study / f"trial-{t['trial']:03d}" / "engine-rank0.json").read_text())
+        ran = json.loads((s.study / f"trial-{t['trial']:03d}" / "ds_config.json").read_text())
+        assert engine["zero_stage"] == ran["zero_optimization"]["stage"], (t, engine, ran)
+    # the ZeRO sweep runs on a user's plain engine too: its first trial, stage 0, in the dict handed over
+    assert summary["trials"][1]["source"] == f"knob:{STAGE_KNOB}=0"
+    baseline = json.loads((s.study / "trial-000" / "ds_config.json").read_text())
+    assert "overlap_comm" not in baseline["zero_optimization"]  # the script's own values, as written
 
 
 def test_the_bootstrap_reads_a_config_from_code_and_hands_the_trials_in_its_place(tmp_path):
@@ -333,3 +341,15 @@ def test_the_bootstrap_reads_a_config_from_code_and_hands_the_trials_in_its_plac
         "config": {"train_micro_batch_size_per_gpu": 4}, "model": "m"}
     out = trial_config_in_place((), {"args": args}, str(trial))
     assert out["config"] == {"train_micro_batch_size_per_gpu": 4} and args.deepspeed_config is None
+
+
+def test_a_swept_zero_setting_is_written_only_where_it_changes_what_runs():
+    from autotune.core.dsconfig import with_swept
+
+    raw = {"zero_optimization": {"stage": 2}}
+    overlap, contiguous = "zero_optimization.overlap_comm", "zero_optimization.contiguous_gradients"
+    assert with_swept(raw, {STAGE_KNOB: "2", overlap: "false", contiguous: "true"}) == raw  # its own values
+    # at stage 3 DeepSpeed overlaps by default: "false" must be written, "true" need not
+    assert with_swept(raw, {overlap: "false", STAGE_KNOB: "3"}) == {
+        "zero_optimization": {"stage": 3, "overlap_comm": False}}
+    assert with_swept(raw, {STAGE_KNOB: "3", overlap: "true"}) == {"zero_optimization": {"stage": 3}}

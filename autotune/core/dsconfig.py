@@ -296,3 +296,32 @@ def with_settings(raw: dict, settings: dict[str, str]) -> dict:
             node = child
         node[last] = json.loads(text)
     return out
+
+
+ZERO_STAGE_KEY = "zero_optimization.stage"
+ZERO_SETTINGS = (ZERO_STAGE_KEY, "zero_optimization.overlap_comm", "zero_optimization.contiguous_gradients")
+"""The ZeRO settings a plain engine's sweep sets per trial, in the order it sweeps them."""
+
+
+def effective_zero_settings(base: DsConfig) -> dict[str, str]:
+    """What DeepSpeed 0.19.8 runs for each of ZERO_SETTINGS with this config, as knob text: the
+    config's value, else DeepSpeed's default (zero/config.py: overlap_comm only at stage 3,
+    contiguous_gradients on)."""
+    section = base.raw.get("zero_optimization")
+    zero: dict = section if isinstance(section, dict) else {}
+    return {ZERO_STAGE_KEY: str(base.zero_stage),
+            "zero_optimization.overlap_comm": json.dumps(bool(zero.get("overlap_comm", base.zero_stage == 3))),
+            "zero_optimization.contiguous_gradients": json.dumps(bool(zero.get("contiguous_gradients", True)))}
+
+
+def with_swept(raw: dict, values: dict[str, str]) -> dict:
+    """`raw` with a setting step's knob values (dotted ds_config keys, knob text), each written only
+    where it changes what DeepSpeed runs: a ZeRO setting equal to its effective value for the
+    trial's config (the stage first, then the settings that depend on it) is left out, so a
+    trial at the config's own values runs the config as written."""
+    out = raw
+    for dotted in sorted(values, key=lambda k: ZERO_SETTINGS.index(k) if k in ZERO_SETTINGS else len(ZERO_SETTINGS)):
+        runs = effective_zero_settings(DsConfig.from_dict(out)).get(dotted)
+        if runs != values[dotted]:
+            out = with_settings(out, {dotted: values[dotted]})
+    return out

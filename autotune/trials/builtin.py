@@ -10,7 +10,7 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-from autotune.core.dsconfig import DsConfig, with_settings
+from autotune.core.dsconfig import DsConfig, with_swept
 from autotune.core.faults import CONTROLLER_FAULTS, RANK_FAULTS
 from autotune.core.options import WorkloadOptions
 from autotune.core.space import TrialConfig
@@ -63,7 +63,7 @@ class BuiltinRunner:
         self.config_knobs = config_knobs
         """The ds_config settings the engine's setting steps sweep as knobs, by dotted path (the ZeRO
         engine's `zero_optimization.stage`): a request's knob value of one of these sets it in the
-        trial's ds_config.json (autotune/core/dsconfig.py `with_settings`)."""
+        trial's ds_config.json (autotune/core/dsconfig.py `with_swept`)."""
         self.cluster = cluster
         """Where the ranks run (autotune/trials/multinode.py); None: this machine, stages x dp ranks."""
         self._cluster_args = cluster_args(cluster) if cluster is not None else None
@@ -104,8 +104,8 @@ class BuiltinRunner:
 
     def _prepare(self, request: TrialRequest) -> tuple[Path, dict[str, object]]:
         """The trial folder with its ds_config.json and trial.json; the ds_config."""
-        ds_config = with_settings(self.ds_config_for(request.config),
-                                  {k: v for k, v in request.knob_values.items() if k in self.config_knobs})
+        ds_config = with_swept(self.ds_config_for(request.config),
+                               {k: v for k, v in request.knob_values.items() if k in self.config_knobs})
         trial_dir, _ = prepare_trial_dir(request.trial_dir, ds_config)
         self.describe(request, trial_dir).write(trial_dir / SPEC_NAME)
         return trial_dir, ds_config

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from autotune.core.dsconfig import DsConfig
+from autotune.core.dsconfig import DsConfig, with_swept
 from autotune.core.rank_plan import RankPlan, RankSettings
 from autotune.core.space import TrialConfig
 from autotune.rank.hook import ENV, FILE_ENV, MODE_PROBE, MODE_TRIAL, BootstrapSettings
@@ -211,7 +211,7 @@ class UserCommandRunner:
                  steps: int, warmup_steps: int, job: str = "autotune", metrics_port: int | None = None,
                  metrics_addr: str = "127.0.0.1", layer_costs: bool = False, parts: list[int] | None = None,
                  step_length: tuple[bool, float, int] = (False, 0.03, 0), knobs: list[Knob] | None = None,
-                 cluster: Cluster | None = None) -> None:
+                 cluster: Cluster | None = None, config_knobs: frozenset[str] = frozenset()) -> None:
         self.command, self.base_config, self.cwd = command, base_config, cwd
         self.data_parallel_size = data_parallel_size
         self.steps, self.warmup_steps = steps, warmup_steps
@@ -226,6 +226,9 @@ class UserCommandRunner:
         """The model settings mapped to the script's flags (--knob, usercmd/knobs.py)."""
         self.cluster = cluster
         """Where the ranks run when the command names nodes (resume clean-up reads it)."""
+        self.config_knobs = config_knobs
+        """The ds_config settings a setting step sweeps, by dotted path (a plain engine's ZeRO sweep):
+        a request's value of one of these is set in the trial's config (`with_settings`)."""
 
     def begin_close(self) -> None:
         """Nothing outlives a trial of the user's command."""
@@ -253,9 +256,11 @@ class UserCommandRunner:
                             parts=self.parts)
 
     def run(self, request: TrialRequest) -> TrialOutcome:
+        # a swept setting the config already runs is not written: trial 0 runs the user's own file
+        ds_config = with_swept(self.ds_config_for(request.config),
+                               {k: v for k, v in request.knob_values.items() if k in self.config_knobs})
         trial_dir, ds_path = prepare_trial_dir(
-            request.trial_dir, self.ds_config_for(request.config),
-            stale=("engine-rank*.json", "done-rank*.json", "exit-rank*.json"))
+            request.trial_dir, ds_config, stale=("engine-rank*.json", "done-rank*.json", "exit-rank*.json"))
         settings = self.settings_for(request, trial_dir)
         command = self.command
         if self.knobs:  # the script's own flags for the mapped model settings (usercmd/knobs.py)

@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from autotune.core.dsconfig import DsConfig, load_ds_config
+from autotune.core.dsconfig import ZERO_SETTINGS, DsConfig, load_ds_config
 from autotune.core.errors import ConfigError, UserError
 from autotune.core.space import SearchSpace
 from autotune.study.job_record import META_KEY, describe_job
@@ -63,6 +63,11 @@ class UserJob:
     check read it at `deepspeed.initialize`: the baseline, and what every trial's config is made
     from; None: the command names the file (`--deepspeed_config`, or `{config}` with `--config`)."""
 
+    @property
+    def is_pipeline(self) -> bool:
+        """False: the script builds a plain DeepSpeedEngine (one "stage", every rank a replica)."""
+        return (self.pipeline_stages or 2) > 1
+
     def command(self) -> UserCommand:
         return parse_command(self.argv, cwd=Path(self.cwd))
 
@@ -93,7 +98,8 @@ class UserJob:
                                  metrics_port=wl.metrics_port, metrics_addr=wl.metrics_addr,
                                  layer_costs=wl.layer_costs, parts=parts, knobs=knobs,
                                  step_length=(wl.adaptive_steps, wl.step_precision, wl.step_cap),
-                                 cluster=own_cluster)
+                                 cluster=own_cluster,
+                                 config_knobs=frozenset(ZERO_SETTINGS) if not self.is_pipeline else frozenset())
 
     def launch(self, opts: RunOptions) -> tuple[UserCommand, Cluster | None]:
         """The command as its trials run it (autotune's launcher options joined to its own) and
@@ -106,7 +112,7 @@ class UserJob:
         from autotune.tuning.starting_point import build_space
 
         # a plain engine's bucket acts at ZeRO 1-3 (autotune/core/dsconfig.py reduce_bucket_inert)
-        return build_space(opts, base, model_parameters=self.parameters, pipeline=(self.pipeline_stages or 2) > 1)
+        return build_space(opts, base, model_parameters=self.parameters, pipeline=self.is_pipeline)
 
     # -- the rest of the workload contract (autotune/tuning/job.py) -----------------------------
     def validate(self, opts: RunOptions) -> None:
@@ -131,7 +137,9 @@ class UserJob:
 
     def steps(self, opts: RunOptions, base: DsConfig, space: SearchSpace, *, root: Path, note: Callable[[str], None],
               noise: float, cluster: Cluster | None) -> list[SettingStep]:
-        """The partition step (its parts forced on the script's PipelineModule) and the knob sweep."""
+        """The partition step (its parts forced on the script's PipelineModule), the ZeRO sweep of a
+        plain engine (autotune/engines/deepspeed_zero/: the stage, overlap_comm, contiguous_gradients
+        in the trial's config) and the knob sweep of the script's own flags."""
         steps: list[SettingStep] = []
         command, own_cluster = self.launch(opts)  # the same nodes the runner's trials run on
         if opts.workload.balance_stages:
@@ -139,12 +147,17 @@ class UserJob:
 
             steps.append(StageBalancer(root, note, method=None, noise=noise,
                                        multi_node=own_cluster is not None and own_cluster.multi_node))
-        if opts.knobs:
-            from autotune.tuning.knob_sweep import KnobSweep
-            from autotune.usercmd.knobs import own_values, parse_knobs
+        from autotune.tuning.knob_sweep import KnobSweep
+        from autotune.usercmd.knobs import own_values, parse_knobs
 
-            knobs = parse_knobs(opts.knobs)
-            steps.append(KnobSweep(knobs, own_values(knobs, command.script_args), root, note))
+        knobs = parse_knobs(opts.knobs) if opts.knobs else []
+        own = own_values(knobs, command.script_args)
+        if not self.is_pipeline:  # one sweep: the ZeRO settings first, then the script's own knobs
+            from autotune.engines.deepspeed_zero.engine import zero_sweep
+
+            steps.append(zero_sweep(base, root, note, then=knobs, then_own=own))
+        elif knobs:
+            steps.append(KnobSweep(knobs, own, root, note))
         return steps
 
 

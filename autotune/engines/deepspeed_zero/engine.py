@@ -16,10 +16,11 @@ DeepSpeed's pipeline TrainSchedule).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from autotune.core.dsconfig import ZERO_SETTINGS, ZERO_STAGE_KEY, effective_zero_settings
 from autotune.core.errors import UserError
 from autotune.core.knob import Knob
 from autotune.core.options import WorkloadOptions
@@ -39,9 +40,7 @@ STAGES = 1
 """The one "stage" of a plain engine: the whole model on every rank."""
 
 
-STAGE_KNOB = "zero_optimization.stage"
-ZERO_KNOBS = (STAGE_KNOB, "zero_optimization.overlap_comm", "zero_optimization.contiguous_gradients")
-"""The ds_config settings the ZeRO sweep sets per trial, in the order it sweeps them."""
+STAGE_KNOB, ZERO_KNOBS = ZERO_STAGE_KEY, ZERO_SETTINGS
 
 
 class DeepSpeedZero:
@@ -95,32 +94,25 @@ class DeepSpeedZero:
         return f"; engine: {self.title}"
 
 
-def zero_sweep(base: DsConfig, root: Path, note: Callable[[str], None]) -> KnobSweep:
+def zero_sweep(base: DsConfig, root: Path, note: Callable[[str], None], *, then: Sequence[Knob] = (),
+               then_own: Mapping[str, str | None] | None = None) -> KnobSweep:
     """The ZeRO step: the stage (0-3), then `overlap_comm` and `contiguous_gradients` at the stage
     kept, one trial per value at the baseline's micro-batch and GAS; a value is kept when it beats
     the one in force by more than the noise between launches (autotune/tuning/knob_sweep.py). A
-    value that runs out of memory is a failed trial of its own, and the sweep goes on."""
+    value that runs out of memory is a failed trial of its own, and the sweep goes on. `then`: the
+    user's own knobs (`--knob`, with their `then_own` values), swept after these in the same
+    sweep (one `STUDY/knobs.json`)."""
     from autotune.tuning.knob_sweep import KnobSweep
 
-    section = base.raw.get("zero_optimization")
-    zero: dict = section if isinstance(section, dict) else {}
-    own = {STAGE_KNOB: str(base.zero_stage),
-           # DeepSpeed's own defaults (zero/config.py): overlap_comm only at stage 3, contiguous on
-           "zero_optimization.overlap_comm": _json(zero.get("overlap_comm", base.zero_stage == 3)),
-           "zero_optimization.contiguous_gradients": _json(zero.get("contiguous_gradients", True))}
+    own = effective_zero_settings(base)  # what the baseline runs: the config's, else DeepSpeed's defaults
     knobs = [Knob(name=STAGE_KNOB, flag=STAGE_KNOB, joined=True, values=("0", "1", "2", "3")),
-             *(Knob(name=k, flag=k, joined=True, values=("false", "true")) for k in ZERO_KNOBS[1:])]
-    return KnobSweep(knobs, own, root, note, inert=_inert)
+             *(Knob(name=k, flag=k, joined=True, values=("false", "true")) for k in ZERO_KNOBS[1:]), *then]
+    return KnobSweep(knobs, {**own, **(then_own or {})}, root, note, inert=_inert)
 
 
 def _inert(name: str, kept: Mapping[str, str | None]) -> str | None:
     """ZeRO-0 has no ZeRO reducer: `overlap_comm` and `contiguous_gradients` do nothing there."""
-    if name != STAGE_KNOB and kept.get(STAGE_KNOB) == "0":
+    if name in ZERO_KNOBS[1:] and kept.get(STAGE_KNOB) == "0":
         return "ZeRO-0 kept, which has no ZeRO gradient reducer for it to change"
     return None
 
-
-def _json(value: object) -> str:
-    import json
-
-    return json.dumps(value)
