@@ -62,6 +62,21 @@ def test_out_of_memory_fires_only_on_oom_outcome():
     assert fired(evaluate([s], context={"failure_reason": None}), "out-of-memory") == []
 
 
+def test_out_of_memory_moves_follow_the_engine():
+    """A pipeline gets activation checkpointing; a plain DeepSpeedEngine a higher ZeRO stage and
+    the optimizer offloaded instead; both a smaller micro-batch."""
+    cfg = DsConfig.from_dict({**BASE, "zero_optimization": {"stage": 1}})
+
+    def targets(stages):
+        s = healthy_summary(pipeline_stages=stages, bubble_fraction_measured=None if stages == 1 else 0.1)
+        [f] = fired(evaluate([s], ds_config=cfg, context={"failure_reason": "oom"}), "out-of-memory")
+        return {c.target for c in f.changes}
+
+    assert targets(2) == {"pipeline.activation_checkpoint_interval", "micro_batch_size"}
+    assert targets(1) == {"zero_optimization.stage", "zero_optimization.offload_optimizer.device",
+                          "micro_batch_size"}
+
+
 def test_memory_near_limit_needs_device_size():
     s = healthy_summary(memory_peak_bytes=76e9)
     assert fired(evaluate([s], context={"device_memory_bytes": 80e9}), "memory-near-limit")
@@ -157,7 +172,7 @@ def test_findings_ranked_by_impact():
 BASE = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 8,
         "zero_optimization": {"stage": 1, "reduce_bucket_size": 100000}}
 CONFIG_CASES = {
-    "zero-stage-with-pipeline": {"zero_optimization": {"stage": 3}},
+    "zero-stage-with-pipeline": {"zero_optimization": {"stage": 3}, "pipeline": {"activation_checkpoint_interval": 1}},
     "timers-crash-pipeline": {"wall_clock_breakdown": True},
     "ignored-pipeline-keys": {"pipeline": {"stages": 4, "partition_method": "uniform",
                                            "activation_checkpoint_interval": 1}},
@@ -179,6 +194,16 @@ def test_config_rule_fires(rule_id):
 @pytest.mark.parametrize("rule_id", sorted(CONFIG_CASES))
 def test_config_rule_quiet_on_clean_config(rule_id):
     assert fired(check_config(DsConfig.from_dict(BASE)), rule_id) == []
+
+
+def test_zero_2_is_refused_only_for_a_pipeline_job():
+    """A plain DeepSpeedEngine runs ZeRO-2/3: the rule fires for a pipeline (the config's section,
+    or --stages > 1), stays quiet for --stages 1, and a config alone is insufficient, not a critical."""
+    cfg = DsConfig.from_dict({**BASE, "zero_optimization": {"stage": 2}})
+    assert fired(check_config(cfg, stages=2, world_size=4), "zero-stage-with-pipeline")
+    assert not fired(check_config(cfg, stages=1, world_size=2), "zero-stage-with-pipeline")
+    [f] = [f for f in check_config(cfg) if f.rule_id == "zero-stage-with-pipeline"]
+    assert not f.fired and "--stages" in f.missing["config.pipeline_job"]
 
 
 def test_zero1_bucket_buffer_only_where_the_buffer_is_allocated():

@@ -81,8 +81,15 @@ def config_facts(cfg: DsConfig, *, stages: int | None = None, world_size: int | 
             f"reduce_bucket_size {elements:,} elements{'' if cfg.reduce_bucket_size else ' (default)'}"
             f" x {BUCKET_BUFFER_BYTES_PER_ELEMENT} bytes")
 
+    # a pipeline job or not: the config's own "pipeline" section says so, or --stages (1: a plain
+    # DeepSpeedEngine with ZeRO); a config alone cannot tell (HF Trainer's and most ZeRO configs)
+    values["config.pipeline_job"] = (1.0 if isinstance(pipe, dict) or (stages or 0) > 1
+                                     else 0.0 if stages == 1 else None)
+
     values.update(_layout(cfg, stages, world_size))
     unavailable = {k: "pass --stages P and --world-size W" for k, v in values.items() if v is None}
+    unavailable["config.pipeline_job"] = ("a config alone does not say whether the job is a pipeline: pass "
+                                          "--stages P (1: a plain DeepSpeedEngine with ZeRO)")
     unavailable["reduce_bucket_size"] = "not set, or no effect (it acts only with ZeRO-1 and dp > 1)"
     return SignalSet(subject=name, kind="config", values=values, unavailable=unavailable,
                      details=details)

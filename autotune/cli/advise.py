@@ -125,7 +125,8 @@ def advise_command(metrics: tuple[str, ...], config_path: str | None, stages: in
 
 @click.command("check")
 @click.argument("config", type=click.Path(dir_okay=False))
-@click.option("--stages", type=click.IntRange(min=1), help="Pipeline stages (enables batch-layout rules).")
+@click.option("--stages", type=click.IntRange(min=1),
+              help="Pipeline stages (enables batch-layout rules; 1: a plain DeepSpeedEngine with ZeRO, no pipeline).")
 @click.option("--world-size", type=click.IntRange(min=1), help="Total ranks (with --stages).")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default=None,
               help="Also check that this machine's devices run the config's precision (fp16/bf16), "
