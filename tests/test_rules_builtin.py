@@ -204,6 +204,11 @@ def test_zero_2_is_refused_only_for_a_pipeline_job():
     assert not fired(check_config(cfg, stages=1, world_size=2), "zero-stage-with-pipeline")
     [f] = [f for f in check_config(cfg) if f.rule_id == "zero-stage-with-pipeline"]
     assert not f.fired and "--stages" in f.missing["config.pipeline_job"]
+    # beside a measured job, the job says which: a plain engine's metrics decide it, no --stages
+    for stages, expected in ((1, False), (2, True)):
+        s = healthy_summary(pipeline_stages=stages, bubble_fraction_measured=None if stages == 1 else 0.1)
+        found = [f for f in evaluate([s], ds_config=cfg) if f.rule_id == "zero-stage-with-pipeline"]
+        assert [f.fired for f in found] == ([True] if expected else []), found
 
 
 def test_zero1_bucket_buffer_only_where_the_buffer_is_allocated():

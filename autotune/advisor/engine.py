@@ -68,6 +68,9 @@ def evaluate(summaries: Sequence[TrialSummary | SignalSet], ds_config: DsConfig 
                 for s in summaries]
     cfg = (config_facts(ds_config, stages=ctx.stages, world_size=ctx.world_size, name=ctx.config_name)
            if ds_config is not None else None)
+    seen = {s.values.get("pipeline_stages") for s in subjects} - {None}
+    if cfg is not None and cfg.values.get("config.pipeline_job") is None and len(seen) == 1:
+        cfg.values["config.pipeline_job"] = float(next(iter(seen)) > 1)  # the measured job says which
     raw = ds_config.raw if ds_config is not None else None
     findings: list[Finding] = []
     for rule in rule_list:
