@@ -32,6 +32,7 @@ from autotune.core import pp_schedules
 from autotune.core.dsconfig import DsConfig
 from autotune.core.options import WorkloadOptions
 from autotune.core.space import TrialConfig
+from autotune.engines.registry import engine_named
 from autotune.trials.builtin import BuiltinRunner
 from autotune.trials.contract import TrialRequest
 
@@ -54,7 +55,9 @@ class Trials:
         """(samples/s, measured bubble) of one trial; (0, None) when it failed."""
         wl = WorkloadOptions(preset=self.preset, pipeline_stages=2, data_parallel_size=1, steps=self.steps,
                              warmup_steps=2, engine="torch", schedule=schedule, workers="fresh")
-        runner = BuiltinRunner(wl, DsConfig.from_dict(config(self.global_batch, micro)))
+        engine = engine_named("torch")  # its launch (torchrun, the torch rank entry) and its schedule knob
+        runner = BuiltinRunner(wl, DsConfig.from_dict(config(self.global_batch, micro)), launch=engine.launch,
+                               workload_knobs=engine.workload_knobs)
         cfg = TrialConfig(micro_batch_size=micro, gradient_accumulation_steps=self.global_batch // micro)
         self.n += 1
         outcome = runner.run(TrialRequest(number=self.n, config=cfg, trial_dir=self.out / f"trial-{self.n:03d}",

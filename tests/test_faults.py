@@ -88,3 +88,23 @@ def test_hung_rank_is_stopped_by_the_timeout(tmp_path):
     assert not group_alive(seen["pgid"])
     assert alive_under(tmp_path) == []
     assert Path(tmp_path / "t0" / "launcher.log").exists()
+
+
+@pytest.mark.parametrize("lines, reason", [
+    # the killed rank leaves nothing; the peer that lost it exited 1 first, and the launcher said so
+    (["[rank0]: RuntimeError: [gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:29334: Connection reset "
+      "by peer. This is typically caused by a remote worker hanging", "exits with return code = 1"], "killed"),
+    # a rank's own error beside its peer's lost connection: that error is the cause
+    (["[rank1]: ValueError: bad shape", "[rank0]: RuntimeError: Connection closed by peer",
+      "exits with return code = 1"], "crash"),
+])
+def test_a_rank_that_vanished_is_killed_not_its_peers_crash(tmp_path, lines, reason):
+    """The fresh-kill contract case, seen once in a fresh-clone suite run (2026-12-07): DeepSpeed's
+    launcher reported the peer's exit 1 before the SIGKILLed rank's -9."""
+    from autotune.trials.judge import judge
+    from autotune.trials.launcher import LaunchOutcome
+
+    log = tmp_path / "launcher.log"
+    log.write_text("\n".join(lines) + "\n")
+    outcome = judge(LaunchOutcome(returncode=1, timed_out=False, wall_seconds=1.0, log_path=log), tmp_path, 60)
+    assert outcome.result.failure_reason == reason, outcome.failure_detail

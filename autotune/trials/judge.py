@@ -33,6 +33,8 @@ class TrialOutcome:
     wall_seconds: float
 
 
+PEER_LOST = re.compile(r"Connection (reset|closed) by peer")
+"""gloo's error in a rank whose peer went away (tcp/pair.cc): the peer's end, not this rank's fault."""
 RANK_ERROR = re.compile(r"^\[rank\d+\]: \w*(Error|Exception)\b")
 """A rank's own exception as torchrun prefixes it (`[rank1]: ValueError: ...`): the cause, where
 torchrun's failure summary after it (`ChildFailedError`, `error_file: <N/A>`) only says a rank failed."""
@@ -68,6 +70,13 @@ def judge(outcome: LaunchOutcome, trial_dir: Path, timeout: float) -> TrialOutco
             signum = int(killed.group(1)) if killed else -(rc or 0)
             return failed("killed", f"a rank was killed by signal {signum} ({_signal_name(signum)}); "
                                      "the launcher stopped the others", wall)
+        errors = [ln for ln in log.splitlines() if RANK_ERROR.search(ln)]
+        if errors and all(PEER_LOST.search(ln) for ln in errors):
+            # a rank vanished without a trace (SIGKILL, the OOM killer) and the launcher reported a
+            # peer that died of the lost connection first: the peer's error is not the cause
+            return failed("killed", "a rank ended without a trace (killed by a signal: SIGKILL, the kernel's "
+                                     "OOM killer) and its peers lost the connection to it; "
+                                     f"{errors[-1].strip()[:200]}", wall)
         if MISSING_PATTERN.search(log):
             return failed("launcher_missing", _last_line(log, MISSING_PATTERN) or "launcher missing", wall)
         return failed("crash", _last_line(log, RANK_ERROR) or _last_line(log, re.compile(r"Error|error"))

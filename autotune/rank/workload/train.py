@@ -108,7 +108,11 @@ def run_trial(spec: TrialSpec, *, release: bool = False, watchdog=None) -> Trial
     preset = get_preset(wl.preset)
     groups_before = process_groups.existing() if release else set()
     torch.manual_seed(wl.seed)  # the same seed in every trial, warm or fresh: the same model and data
-    module, user_batches, as_engine = MODELS[wl.engine](spec, preset)
+    build = MODELS.get(wl.engine)
+    if build is None:  # a runner handed this entry another engine's trial (its launch is that engine's)
+        raise ValueError(f"--engine {wl.engine}: not a DeepSpeed-launched engine ({', '.join(MODELS)}); its "
+                         "trials start from its own rank entry (autotune/engines/ RankLaunch)")
+    module, user_batches, as_engine = build(spec, preset)
     if wl.slow_layer is not None:  # test hook: before the layer-cost hooks, which then time it
         from autotune.rank.workload.slowdown import stretch_layer
 
