@@ -91,8 +91,8 @@ def test_base_install_runs_help_advise_and_check_on_the_fixtures(base_venv, tmp_
     cfg = tmp_path / "ds.json"
     cfg.write_text(json.dumps({"train_batch_size": 64, "train_micro_batch_size_per_gpu": 1,
                                "zero_optimization": {"stage": 2}}))
-    checked = _run([exe, "check", str(cfg), "--format", "json"], cwd=tmp_path)
-    assert checked.returncode == 1, checked.stderr  # ZeRO-2 under pipelines: a critical rule
+    checked = _run([exe, "check", str(cfg), "--stages", "2", "--world-size", "4", "--format", "json"], cwd=tmp_path)
+    assert checked.returncode == 1, checked.stderr  # ZeRO-2 in a pipeline job (--stages 2): a critical rule
     assert any(f["status"] == "fired" and f["severity"] == "critical"
                for f in json.loads(checked.stdout)["findings"])
 
