@@ -55,13 +55,19 @@ def deepspeed_autotuner(out: Path, max_batch: int) -> dict:
     """DeepSpeed's autotuner on the job: its wall time, experiments and optimal config."""
     folder = out / "deepspeed"
     folder.mkdir(parents=True)
-    cfg = {**BASE, "autotuning": {"enabled": True, "fast": True, "max_train_batch_size": max_batch,
-                                  "results_dir": "results", "exps_dir": "exps", "overwrite": True}}
+    # without train_batch_size: its model-info run sets micro 1 and keeps the rest, and DeepSpeed then
+    # refuses a stated batch ("train_batch_size is not equal to micro_batch_per_gpu * gradient_acc_step *
+    # world_size 16 != 1 * 4 * 2", measured; docs/zero-facts.md)
+    own = {k: v for k, v in BASE.items() if k != "train_batch_size"}
+    cfg = {**own, "autotuning": {"enabled": True, "fast": True, "max_train_batch_size": max_batch,
+                                 "results_dir": "results", "exps_dir": "exps", "overwrite": True}}
     (folder / "ds.json").write_text(json.dumps(cfg, indent=2))
     rc, wall = timed(["deepspeed", "--autotuning", "tune", "--num_gpus", "2", str(JOB), "--deepspeed",
                       "--deepspeed_config", "ds.json"], folder, folder / "autotuner.log")
-    exps = sorted(p for p in (folder / "exps").glob("*") if p.is_dir()) if (folder / "exps").is_dir() else []
-    measured = [p for p in exps if (p / "metrics.json").is_file()]
+    # one exps/NAME.json per experiment (DeepSpeed 0.19.8), besides the model-info profile's;
+    # results/NAME/metrics.json for each that measured
+    exps = sorted(p for p in (folder / "exps").glob("*.json") if p.name != "profile_model_info.json")
+    measured = [p for p in exps if (folder / "results" / p.stem / "metrics.json").is_file()]
     best = folder / "results" / "ds_config_optimal.json"
     return {"tuner": "DeepSpeed autotuner (fast)", "rc": rc, "wall": wall, "trials": len(exps),
             "measured": len(measured), "best": best if best.is_file() else None, "log": folder / "autotuner.log"}
