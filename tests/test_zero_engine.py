@@ -10,7 +10,7 @@ import json
 
 import pytest
 from launch_helpers import autotune_cli
-from shared_studies import REPO, ZERO_BUDGET, ZERO_STAGE
+from shared_studies import ZERO_BUDGET, ZERO_STAGE
 from step_driver import Driven
 
 from autotune.core.dsconfig import DsConfig, reduce_bucket_acts, reduce_bucket_inert, with_settings
@@ -293,14 +293,17 @@ def test_a_users_zero_steps_are_its_optimizer_steps(usercmd_zero_study):
                 assert float(r["compute_seconds"]) + float(r["comm_seconds"]) + float(r["wait_seconds"]) <= step * 1.02
 
 
-def test_a_pipeline_only_option_for_a_plain_engines_script_is_one_line(tmp_path):
-    from shared_studies import ZERO_SCRIPT_CONFIG, user_env
+def test_a_pipeline_only_option_for_a_plain_engines_script_is_one_line():
+    """Checked once the start-up check has read a plain engine (the shared user ZeRO study shows
+    that path runs); the refusal itself needs no launch."""
+    from autotune.core.errors import UserError
+    from autotune.core.options import RunOptions, WorkloadOptions
+    from autotune.usercmd.job import refuse_pipeline_only
 
-    out = autotune_cli("run", "--budget", "1", "--layer-costs", "--", "deepspeed", "--num_gpus", "2",
-                       str(REPO / "examples" / "zero_train.py"), "--deepspeed_config", str(ZERO_SCRIPT_CONFIG),
-                       cwd=tmp_path, env=user_env())
-    assert out.returncode == 2 and "--layer-costs: the script builds a plain DeepSpeedEngine" in out.stderr, out.stderr
-    assert "Traceback" not in out.stderr and not (tmp_path / "autotune_study").exists()
+    refuse_pipeline_only(RunOptions(workload=WorkloadOptions()))  # the defaults: nothing refused
+    with pytest.raises(UserError, match="--layer-costs: the script builds a plain DeepSpeedEngine"):
+        refuse_pipeline_only(RunOptions(workload=WorkloadOptions(layer_costs=True)))
+
 
 
 def test_a_config_built_in_code_is_the_baseline_and_the_best_is_it_tuned(usercmd_zero_study):
