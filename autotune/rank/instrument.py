@@ -115,7 +115,6 @@ class PipelineProbe:
             events = plain_steps(eng)
             events.begun.append(self._step_began)
             events.ended.append(self._step_ended)
-            self._inner_train_batch = None
             return self
         inner = eng.train_batch
 

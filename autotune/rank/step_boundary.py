@@ -34,8 +34,6 @@ class PlainSteps:
         self.ended: list[Callable[[Any], None]] = []
         self.in_step = False
         self.losses: list[Any] = []
-        self.steps = 0
-        """Optimizer steps ended so far."""
         self._wrap()
 
     def _wrap(self) -> None:
@@ -67,7 +65,6 @@ class PlainSteps:
     def _end(self) -> None:
         loss = _mean(self.losses)
         self.losses, self.in_step = [], False
-        self.steps += 1
         for fn in list(self.ended):
             fn(loss)
 
