@@ -109,6 +109,13 @@ def usercmd_zero_study(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def hf_trainer_study(tmp_path_factory):
+    from shared_studies import run_hf_trainer_study
+
+    return run_hf_trainer_study(tmp_path_factory.mktemp("hf-trainer-study"))
+
+
+@pytest.fixture(scope="session")
 def usercmd_study(tmp_path_factory):
     from shared_studies import run_usercmd_study
 

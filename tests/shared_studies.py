@@ -15,6 +15,8 @@ value (folders, exit code, output); a test that changes a study works on `copy_s
   (ZeRO-2, 2 data-parallel ranks, warm workers), budget 6: the ZeRO sweep, then the search.
 - `usercmd_zero_study`: `autotune run -- deepspeed examples/zero_train_dict.py ...`, the user's own
   plain-engine ZeRO-2 script with its config built in code, unchanged, budget 2.
+- `hf_trainer_study`: `autotune run -- deepspeed examples/hf_trainer_train.py --deepspeed ds.json ...`,
+  a real HF Trainer (tiny GPT-2 from a config) whose config is all "auto" batch values, budget 4.
 """
 
 from __future__ import annotations
@@ -150,6 +152,34 @@ def run_usercmd_zero_study(root: Path) -> SharedStudy:
     command = ("deepspeed", "--num_gpus", "2", str(ZERO_DICT_SCRIPT), "--steps", "100000", "--save-dir", "ckpt")
     return _run(root, "--budget", "2", "--steps", "2", "--warmup-steps", "1", "--fixed-steps",
                 "--trial-timeout", "600", "--no-metrics", command=command, env=user_env())
+
+
+HF_SCRIPT = EXAMPLES / "hf_trainer_train.py"
+HF_BATCH = (2, 4)
+"""The Trainer command's own --per_device_train_batch_size and --gradient_accumulation_steps."""
+HF_CONFIG = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
+             "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+             "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto"}},
+             "zero_optimization": {"stage": 0, "reduce_bucket_size": "auto"}, "steps_per_print": 1000000}
+"""The Trainer job's config, as HF's examples write one: every batch value "auto"."""
+
+
+def run_hf_trainer_study(root: Path) -> SharedStudy:
+    """A real HF Trainer through `deepspeed` (2 ranks, `--use_cpu`: the Trainer's DeepSpeed path
+    on CPU, docs/zero-facts.md), its config file full of "auto", the stage fixed at ZeRO-0 by
+    `--zero-stages 0`, so that every trial after the baseline changes the Trainer's micro-batch
+    (the global batch fixed at 16), budget 4, 2 measured steps each."""
+    import json
+
+    (root / "ds_hf.json").write_text(json.dumps(HF_CONFIG, indent=2) + "\n", encoding="utf-8")
+    (root / "text.txt").write_bytes(HF_SCRIPT.read_bytes() * 4)  # some text to train on
+    micro, gas = HF_BATCH
+    command = ("deepspeed", "--num_gpus", "2", str(HF_SCRIPT), "--deepspeed", "ds_hf.json", "--text", "text.txt",
+               "--n_layer", "2", "--output_dir", "out", "--per_device_train_batch_size", str(micro),
+               "--gradient_accumulation_steps", str(gas), "--max_steps", "100000", "--report_to", "none",
+               "--save_strategy", "no", "--use_cpu", "--disable_tqdm", "true")
+    return _run(root, "--budget", "4", "--zero-stages", "0", "--steps", "2", "--warmup-steps", "1",
+                "--fixed-steps", "--trial-timeout", "600", "--no-metrics", command=command, env=user_env())
 
 
 def copy_study(shared: SharedStudy, dest: Path) -> Path:

@@ -92,7 +92,7 @@ def test_hf_trainers_auto_values_are_found_and_said_by_check():
     assert cfg.micro_batch_size is None and cfg.reduce_bucket_size is None  # read as not set
     facts = config_facts(cfg)
     assert facts.get("config.hf_auto_values") == 3.0
-    with pytest.raises(ConfigError, match="put numbers there to tune this job"):
+    with pytest.raises(ConfigError, match="put numbers there, or tune the Trainer script"):
         cfg.check_no_hf_auto()
     DsConfig.from_dict({"train_micro_batch_size_per_gpu": 2}).check_no_hf_auto()  # nothing to refuse
 

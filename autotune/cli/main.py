@@ -82,6 +82,8 @@ def _print_outcome(results: StudyResults, study: str) -> None:
         f" -> {best.samples_per_second:.1f} samples/s"
         + (f" (mean of {best.repeats} runs)" if best.repeats > 1 else "")
     )
+    if results.trainer_args:  # an HF Trainer job: its batch lives in its arguments
+        click.echo(f"as the Trainer's arguments: {results.trainer_args} (with best_ds_config.json as --deepspeed)")
     if base and base.samples_per_second and results.speedup:
         click.echo(f"baseline: {base.samples_per_second:.1f} samples/s; "
                    f"speed-up {results.speedup:.2f}x")

@@ -130,8 +130,8 @@ class DsConfig:
         if keys:
             raise ConfigError(
                 f"HF Trainer's \"auto\" at {', '.join(keys)}: a Trainer fills these from its arguments and "
-                "DeepSpeed alone does not read them; put numbers there to tune this job (autotune does not "
-                "drive an HF Trainer yet)")
+                "DeepSpeed alone does not read them; put numbers there, or tune the Trainer script that fills "
+                "them: autotune run -- deepspeed train.py --deepspeed ds.json ... (docs/hf-trainer.md)")
 
     def with_trial(self, *, micro_batch_size: int, gradient_accumulation_steps: int,
                    data_parallel_size: int, reduce_bucket_size: int | None,

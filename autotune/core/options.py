@@ -193,6 +193,9 @@ class RunOptions:
                                     "with {value}, e.g. 'partition_method=--partition {value}'); "
                                     "repeatable; with a COMMAND only (docs/user-script.md).",
                                     flag="--knob", group="study", multiple=True, show_default=False)
+    zero_stages: str = option("0,1,2,3", "ZeRO stages the sweep of a plain DeepSpeedEngine tries, comma-separated "
+                              "(its config's own stage is the baseline's); the config's stage alone fixes it "
+                              "(docs/zero.md).", group="study")
     # The search space
     global_batch: int | None = option(None, "Fixed global batch (default: the starting config's "
                                       "train_batch_size).", lo=1, hi=2**31, group="space")

@@ -138,7 +138,7 @@ def _patch(deepspeed: Any, state: _RankState) -> None:
     @functools.wraps(original)
     def initialize(*args: Any, **kwargs: Any) -> Any:
         if state.settings.mode == MODE_PROBE:
-            state.write_marker("config", script_config(args, kwargs))  # the start-up check's baseline
+            state.write_marker("config", {**script_config(args, kwargs), "built_by": engine_builder()})
         if state.settings.ds_config is not None:
             kwargs = trial_config_in_place(args, kwargs, state.settings.ds_config)
         result = original(*args, **kwargs)
@@ -292,6 +292,24 @@ def script_config(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, An
         return {"source": "path", "path": os.path.abspath(os.fspath(given))}
     cli = getattr(kwargs.get("args", args[0] if args else None), "deepspeed_config", None)
     return {"source": "args", "path": os.path.abspath(cli)} if cli else {"source": "none"}
+
+
+BUILDERS = {"transformers.trainer": "hf_trainer", "lightning.pytorch.strategies.deepspeed": "lightning",
+            "pytorch_lightning.strategies.deepspeed": "lightning"}
+"""The modules that call `deepspeed.initialize` for a framework's user, and the framework's name."""
+
+
+def engine_builder() -> str | None:
+    """Which framework builds the engine (its module on the caller's stack: the HF Trainer
+    through accelerate, Lightning's DeepSpeedStrategy), None: the script itself. The start-up
+    check's marker carries it: an HF Trainer job's batch lives in the Trainer's arguments."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        found = BUILDERS.get(frame.f_globals.get("__name__", ""))
+        if found:
+            return found
+        frame = frame.f_back  # type: ignore[assignment]
+    return None
 
 
 def trial_config_in_place(args: tuple[Any, ...], kwargs: dict[str, Any], path: str) -> dict[str, Any]:

@@ -26,6 +26,7 @@ def write_outputs(study: Study, results: StudyResults, best_ds_config: dict | No
 def render_markdown(results: StudyResults) -> str:
     lines = ["# autotune report", ""]
     best, base = results.best, results.baseline
+    trainer = results.trainer_args
     if results.user_command or results.workload:
         from autotune.study.job_record import describe_job
 
@@ -38,6 +39,9 @@ def render_markdown(results: StudyResults) -> str:
                      f"{best.config.reduce_bucket_size or 'not tuned'}{_ckpt_text(best.config)}: "
                      f"{best.samples_per_second:.1f} samples/s"
                      f" (mean of {best.repeats} measurement(s)).")
+        if trainer:
+            lines.append(f"As the HF Trainer's arguments: `{trainer}` (best_ds_config.json keeps your \"auto\" "
+                         "values; the Trainer fills them from these).")
     if base and base.samples_per_second:
         lines.append(f"Baseline (trial 0): {base.samples_per_second:.1f} samples/s.")
     if results.speedup:

@@ -57,6 +57,16 @@ class StudyResults:
     def failed(self) -> list[TrialRow]:
         return [t for t in self.counted if t.status == STATUS_FAILED]
 
+    @property
+    def trainer_args(self) -> str | None:
+        """The best's batch as the HF Trainer's arguments, where the job is a Trainer's (its batch
+        lives there, autotune/usercmd/hf_trainer.py); None otherwise."""
+        from autotune.core.trainer_args import HF_TRAINER, trainer_args
+
+        if not self.best or not self.user_command or self.user_command.get("built_by") != HF_TRAINER:
+            return None
+        return trainer_args(self.best.config.micro_batch_size, self.best.config.gradient_accumulation_steps)
+
     def to_dict(self) -> JsonObject:
         """summary.json's content, key for key."""
         return {
@@ -71,6 +81,7 @@ class StudyResults:
             "failed_trials": len(self.failed),
             "baseline": trial_entry(self.baseline) if self.baseline else None,
             "best": ({**trial_entry(self.best), "measurements": self.best.repeats} if self.best else None),
+            "best_trainer_args": self.trainer_args,  # an HF Trainer job: the best's batch as its arguments
             "speedup_over_baseline": self.speedup,
             "stopped": self.stopped,
             "partition": self.partition,

@@ -38,6 +38,10 @@ PEER_LOST = re.compile(r"Connection (reset|closed) by peer")
 RANK_ERROR = re.compile(r"^\[rank\d+\]: \w*(Error|Exception)\b")
 """A rank's own exception as torchrun prefixes it (`[rank1]: ValueError: ...`): the cause, where
 torchrun's failure summary after it (`ChildFailedError`, `error_file: <N/A>`) only says a rank failed."""
+EXCEPTION_LINE = re.compile(r"^(?!torch\.distributed\.elastic\.)[\w.]*(Error|Exception): ")
+"""A Python exception's last line printed without torchrun's rank prefix (a rank's own stderr, as
+Lightning's refusal on CPU reaches the log): not torchrun's summary (its `traceback :` line
+only points at its documentation, and its own ChildFailedError only says a rank failed)."""
 
 
 def judge(outcome: LaunchOutcome, trial_dir: Path, timeout: float) -> TrialOutcome:
@@ -66,6 +70,8 @@ def judge(outcome: LaunchOutcome, trial_dir: Path, timeout: float) -> TrialOutco
         if exited(EXIT_NONFINITE_LOSS):
             return failed("nonfinite_loss", _last_line(log, re.compile("non-finite")) or "loss became NaN/inf", wall)
         killed = re.search(r"return code = -(\d+)", log) or re.search(r"exitcode\s*:\s*-(\d+)", log)
+        if killed and killed.group(1) == "15" and re.search(r"exitcode\s*:\s*[1-9]", log):
+            killed = None  # torchrun's SIGTERM to the survivors of a rank that failed on its own: its cause counts
         if killed or (rc is not None and rc < 0):
             signum = int(killed.group(1)) if killed else -(rc or 0)
             return failed("killed", f"a rank was killed by signal {signum} ({_signal_name(signum)}); "
@@ -79,7 +85,8 @@ def judge(outcome: LaunchOutcome, trial_dir: Path, timeout: float) -> TrialOutco
                                      f"{errors[-1].strip()[:200]}", wall)
         if MISSING_PATTERN.search(log):
             return failed("launcher_missing", _last_line(log, MISSING_PATTERN) or "launcher missing", wall)
-        return failed("crash", _last_line(log, RANK_ERROR) or _last_line(log, re.compile(r"Error|error"))
+        return failed("crash", _last_line(log, RANK_ERROR) or _last_line(log, EXCEPTION_LINE)
+                      or _last_line(log, re.compile(r"Error|error"))
                       or f"exit code {rc}", wall)
     try:  # the one reader and the one summary, as advise uses them
         files = sorted(trial_dir.glob("metrics-rank*.csv"))

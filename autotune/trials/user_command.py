@@ -17,6 +17,7 @@ built-in workload.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -46,6 +47,7 @@ from autotune.usercmd.command import UserCommand
 
 if TYPE_CHECKING:
     from autotune.core.knob import Knob
+    from autotune.usercmd.hf_trainer import TrainerConfig
 
 BOOTSTRAP_DIR = Path(__file__).resolve().parent.parent / "rank" / "bootstrap"
 PROBE_TIMEOUT = 900.0
@@ -211,7 +213,8 @@ class UserCommandRunner:
                  steps: int, warmup_steps: int, job: str = "autotune", metrics_port: int | None = None,
                  metrics_addr: str = "127.0.0.1", layer_costs: bool = False, parts: list[int] | None = None,
                  step_length: tuple[bool, float, int] = (False, 0.03, 0), knobs: list[Knob] | None = None,
-                 cluster: Cluster | None = None, config_knobs: frozenset[str] = frozenset()) -> None:
+                 cluster: Cluster | None = None, config_knobs: frozenset[str] = frozenset(),
+                 trainer: TrainerConfig | None = None) -> None:
         self.command, self.base_config, self.cwd = command, base_config, cwd
         self.data_parallel_size = data_parallel_size
         self.steps, self.warmup_steps = steps, warmup_steps
@@ -229,6 +232,9 @@ class UserCommandRunner:
         self.config_knobs = config_knobs
         """The ds_config settings a setting step sweeps, by dotted path (a plain engine's ZeRO sweep):
         a request's value of one of these is set in the trial's config (`with_settings`)."""
+        self.trainer = trainer
+        """An HF Trainer job: each trial's batch goes in the Trainer's arguments, and its config keeps
+        the user's "auto" values (autotune/usercmd/hf_trainer.py); None: the config carries the batch."""
 
     def begin_close(self) -> None:
         """Nothing outlives a trial of the user's command."""
@@ -237,8 +243,10 @@ class UserCommandRunner:
         """Nothing outlives a trial of the user's command."""
 
     def ds_config_for(self, config: TrialConfig) -> dict[str, object]:
-        """The user's own config where it would run exactly this trial, else it with the trial's values."""
-        return trial_ds_config(self.base_config, config, self.data_parallel_size, own_when_unchanged=True)
+        """The user's own config where it would run exactly this trial, else it with the trial's values
+        (an HF Trainer's: with the user's "auto" values where the trial keeps them)."""
+        ds_config = trial_ds_config(self.base_config, config, self.data_parallel_size, own_when_unchanged=True)
+        return self.trainer.trial_file(ds_config) if self.trainer is not None else ds_config
 
     def settings_for(self, request: TrialRequest, trial_dir: Path) -> BootstrapSettings:
         """What the trial's ranks are told (through the bootstrap's environment or file); a script
@@ -263,6 +271,11 @@ class UserCommandRunner:
             request.trial_dir, ds_config, stale=("engine-rank*.json", "done-rank*.json", "exit-rank*.json"))
         settings = self.settings_for(request, trial_dir)
         command = self.command
+        if self.trainer is not None:  # the Trainer fills the config's batch from these arguments
+            from autotune.usercmd.hf_trainer import with_batch
+
+            command = dataclasses.replace(command, script_args=with_batch(
+                command.script_args, request.config.micro_batch_size, request.config.gradient_accumulation_steps))
         if self.knobs:  # the script's own flags for the mapped model settings (usercmd/knobs.py)
             from autotune.usercmd.knobs import TRIAL_FILE, apply_knobs
 

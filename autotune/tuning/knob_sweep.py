@@ -116,6 +116,7 @@ class KnobSweep:
                     self.queue.append(Proposal(
                         config=baseline.config, source=TrialKind.knob(k.name, v),
                         reason=f"knob {k.name}: {' '.join(k.tokens(v))} at the baseline's micro-batch and GAS"))
+        self._drop_inert()  # e.g. the config's ZeRO-0 with no other stage to try: no reducer settings
 
     def _decide(self, name: str) -> None:
         """Keep the fastest value if it beats the measurement in force by more than the noise
@@ -136,12 +137,17 @@ class KnobSweep:
         self._drop_inert()
 
     def _drop_inert(self) -> None:
+        """Drop the queued trials of the knobs the kept values make inert, up to the first knob
+        still to be decided (a later knob's fate waits for that knob's decision)."""
         for k in self.knobs if self.inert is not None else ():
             queued = [p for p in self.queue if p.source.startswith(f"{SOURCE_PREFIX}{k.name}=")]
-            why = self.inert(k.name, self.kept) if queued and self.inert is not None else None
-            if why:
-                self.queue = [p for p in self.queue if p not in queued]
-                self.note(f"      knob {k.name}: not swept: {why}")
+            if not queued:
+                continue
+            why = self.inert(k.name, self.kept) if self.inert is not None else None
+            if not why:
+                return
+            self.queue = [p for p in self.queue if p not in queued]
+            self.note(f"      knob {k.name}: not swept: {why}")
 
     def _write(self) -> None:
         info = {"baseline_samples_per_second": self.baseline_sps, "kept": self.kept,

@@ -28,6 +28,9 @@ def validate(opts: RunOptions, *, built_in: bool = True) -> None:
     get_preset(wl.preset)
     if wl.world_size > 1024:
         raise UserError(f"--stages x --dp = {wl.world_size} ranks; at most 1024 on one machine")
+    from autotune.engines.deepspeed_zero.engine import zero_stages
+
+    zero_stages(opts.zero_stages)  # a bad list is one line before any start-up check or trial
     if opts.trace_every_trial and not opts.trace_steps:
         raise UserError("--trace-every-trial needs --trace-steps N (the steps each trial traces)")
     if opts.rank_metrics_port is not None and opts.rank_metrics_port + wl.world_size - 1 > 65535:

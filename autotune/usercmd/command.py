@@ -13,9 +13,12 @@ The rule for the config (docs/user-script.md), looked for in the script args:
    `--cfg={config}`): every trial's config path replaces it; the starting config
    is `autotune run --config FILE`.
 2. Otherwise exactly one `--deepspeed_config X` or `--deepspeed_config=X`
-   (DeepSpeed's `add_config_arguments` name; `--deepscale_config` is its old alias).
+   (DeepSpeed's `add_config_arguments` name; `--deepscale_config` is its old alias), or
+   HF Trainer's `--deepspeed X` (a TrainingArguments field that takes the file; DeepSpeed's own
+   `--deepspeed` is a bare flag, so it counts only with a .json or .hjson file after it).
    X is the starting config and each trial's config path takes its place.
-3. Anything else is one UserError before any trial runs.
+3. None of these: the script builds its config in code (`deepspeed.initialize(config=...)`).
+4. Anything else is one UserError before any trial runs.
 
 Launcher options are kept as written, except `--master_port`: each trial gets a
 free port of its own (DeepSpeed's CPU comm op names its /dev/shm buffers by it,
@@ -34,6 +37,9 @@ from autotune.core.errors import UserError
 
 PLACEHOLDER = "{config}"
 CONFIG_FLAGS = ("--deepspeed_config", "--deepscale_config")
+HF_CONFIG_FLAG = "--deepspeed"
+"""HF Trainer's TrainingArguments field for the config file (DeepSpeed's own `--deepspeed` is a bare
+flag: it counts as the config's only with a config file's name after it, `_hf_config_value`)."""
 DEEPSPEED, TORCHRUN = "deepspeed", "torchrun"
 
 # The launchers' own options, read from their argparse parsers (DeepSpeed 0.19.8,
@@ -102,6 +108,15 @@ class UserCommand:
     def uses_placeholder(self) -> bool:
         return self.config_at is None and not self.config_in_code
 
+    @property
+    def config_flag(self) -> str | None:
+        """The flag that names the config (`--deepspeed_config`, HF's `--deepspeed`); None: {config}
+        or a config built in code."""
+        if self.config_at is None:
+            return None
+        flag, eq, _ = self.script_args[self.config_at].partition("=")
+        return flag if eq else self.script_args[self.config_at - 1]
+
     def config_path(self, given: str | None, cwd: Path, *, in_code: bool = False) -> Path | None:
         """The job's DeepSpeed config, absolute: the one the command names, or `--config` where
         the command takes it through {config}. Both, or neither: one line (`run` and `watch`).
@@ -135,7 +150,7 @@ class UserCommand:
         else:
             i = self.config_at
             flag, eq, _ = script_args[i].partition("=")
-            script_args[i] = f"{flag}={ds_config}" if eq and flag in CONFIG_FLAGS else str(ds_config)
+            script_args[i] = f"{flag}={ds_config}" if eq and is_config_flag(flag) else str(ds_config)
         return [*self.prefix, *_without_master_port(self.launcher_args), "--master_port", str(master_port),
                 self.script, *script_args]
 
@@ -278,12 +293,13 @@ def _find_config(script_args: tuple[str, ...]) -> tuple[int | None, str | None, 
     """(where the config's value is, the file named, whether the script builds its own in code)."""
     if any(PLACEHOLDER in a for a in script_args):
         return None, None, False
-    hits = [i for i, a in enumerate(script_args) if a.partition("=")[0] in CONFIG_FLAGS]
+    hits = [i for i, a in enumerate(script_args) if a.partition("=")[0] in CONFIG_FLAGS
+            or _hf_config_value(script_args, i) is not None]
     if not hits:
         return None, None, True
     if len(hits) > 1:
         raise UserError(f"the command names the DeepSpeed config {len(hits)} times; name it once "
-                        "(--deepspeed_config FILE)")
+                        "(--deepspeed_config FILE, or HF Trainer's --deepspeed FILE)")
     i = hits[0]
     flag, eq, value = script_args[i].partition("=")
     if eq:
@@ -293,6 +309,20 @@ def _find_config(script_args: tuple[str, ...]) -> tuple[int | None, str | None, 
     if i + 1 >= len(script_args) or script_args[i + 1].startswith("-"):
         raise UserError(f"{flag} has no file after it; write {flag} ds_config.json")
     return i + 1, script_args[i + 1], False
+
+
+def is_config_flag(flag: str) -> bool:
+    return flag in CONFIG_FLAGS or flag == HF_CONFIG_FLAG
+
+
+def _hf_config_value(script_args: tuple[str, ...], i: int) -> str | None:
+    """The file of HF Trainer's `--deepspeed FILE` (or `--deepspeed=FILE`) at `i`, else None."""
+    flag, eq, value = script_args[i].partition("=")
+    if flag != HF_CONFIG_FLAG:
+        return None
+    if not eq:
+        value = script_args[i + 1] if i + 1 < len(script_args) else ""
+    return value if value.endswith((".json", ".hjson")) else None
 
 
 def _without_master_port(args: tuple[str, ...]) -> list[str]:

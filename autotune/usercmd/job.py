@@ -22,6 +22,7 @@ data-parallel size, micro-batch and GAS) are stored in the study (meta key
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -31,11 +32,17 @@ from typing import TYPE_CHECKING
 from autotune.core.dsconfig import ZERO_SETTINGS, DsConfig, load_ds_config
 from autotune.core.errors import ConfigError, UserError
 from autotune.core.space import SearchSpace
+from autotune.core.trainer_args import GAS_FLAG, HF_TRAINER, MICRO_FLAG
 from autotune.study.job_record import META_KEY, describe_job
 from autotune.trials.multinode import resolve_cluster
 from autotune.trials.precision import check_precision
 from autotune.trials.user_command import PROBE_TIMEOUT, UserCommandRunner, probe_shape
-from autotune.usercmd.command import UserCommand, check_launcher_installed, parse_command
+from autotune.usercmd.command import (
+    CONFIG_FLAGS,
+    UserCommand,
+    check_launcher_installed,
+    parse_command,
+)
 
 if TYPE_CHECKING:
     from autotune.core.options import RunOptions
@@ -62,6 +69,17 @@ class UserJob:
     """The DeepSpeed config the script builds in code (the command names no file), as its start-up
     check read it at `deepspeed.initialize`: the baseline, and what every trial's config is made
     from; None: the command names the file (`--deepspeed_config`, or `{config}` with `--config`)."""
+    built_by: str | None = None
+    """The framework that builds the engine, as the start-up check found it on the stack
+    (rank/hook.py `engine_builder`): "hf_trainer", "lightning"; None: the script itself."""
+    filled_config: dict | None = None
+    """An HF Trainer job: the config as the Trainer filled its "auto" values from its arguments, read
+    at `deepspeed.initialize`: the computing baseline (the trials' files keep the "auto" values,
+    autotune/usercmd/hf_trainer.py)."""
+
+    @property
+    def is_hf_trainer(self) -> bool:
+        return self.built_by == HF_TRAINER and self.filled_config is not None
 
     @property
     def is_pipeline(self) -> bool:
@@ -93,12 +111,18 @@ class UserJob:
             from autotune.usercmd.knobs import parse_knobs
 
             knobs = parse_knobs(opts.knobs)
+        trainer = None
+        if self.is_hf_trainer:  # its batch in its arguments, its "auto" values kept in each trial's file
+            from autotune.usercmd.hf_trainer import TrainerConfig
+
+            assert opts.config is not None  # a Trainer job names its file (--deepspeed FILE)
+            trainer = TrainerConfig(own=load_ds_config(opts.config).raw, filled=dict(self.filled_config or {}))
         return UserCommandRunner(command, base, cwd=Path(self.cwd), data_parallel_size=wl.data_parallel_size,
                                  steps=wl.steps, warmup_steps=wl.warmup_steps, job=wl.job,
                                  metrics_port=wl.metrics_port, metrics_addr=wl.metrics_addr,
                                  layer_costs=wl.layer_costs, parts=parts, knobs=knobs,
                                  step_length=(wl.adaptive_steps, wl.step_precision, wl.step_cap),
-                                 cluster=own_cluster,
+                                 cluster=own_cluster, trainer=trainer,
                                  config_knobs=frozenset(ZERO_SETTINGS) if not self.is_pipeline else frozenset())
 
     def launch(self, opts: RunOptions) -> tuple[UserCommand, Cluster | None]:
@@ -121,9 +145,12 @@ class UserJob:
         validate(opts, built_in=False)  # the preset's limits do not apply to the user's model
 
     def base_config(self, opts: RunOptions) -> DsConfig:
-        """The config the script builds in code, as its start-up check read it; else its file."""
+        """The config the script builds in code, or the HF Trainer filled, as its start-up check read
+        it; else its file."""
         if self.script_config is not None:
             return DsConfig.from_dict(self.script_config, source=FROM_CODE)
+        if self.is_hf_trainer:
+            return DsConfig.from_dict(self.filled_config, source=FILLED)
         from autotune.tuning.starting_point import load_base_config
 
         return load_base_config(opts)
@@ -153,9 +180,10 @@ class UserJob:
         knobs = parse_knobs(opts.knobs) if opts.knobs else []
         own = own_values(knobs, command.script_args)
         if not self.is_pipeline:  # one sweep: the ZeRO settings first, then the script's own knobs
-            from autotune.engines.deepspeed_zero.engine import zero_sweep
+            from autotune.engines.deepspeed_zero.engine import zero_stages, zero_sweep
 
-            steps.append(zero_sweep(base, root, note, then=knobs, then_own=own))
+            steps.append(zero_sweep(base, root, note, then=knobs, then_own=own,
+                                    stages=zero_stages(opts.zero_stages)))
         elif knobs:
             steps.append(KnobSweep(knobs, own, root, note))
         return steps
@@ -189,25 +217,48 @@ def prepare_user_job(opts: RunOptions, argv: list[str], note: Callable[[str], No
         note(f"nodes: {cluster.describe()}" + (f" (multi-node through {cluster.options.launcher})"
                                                  if cluster.multi_node else ""))
     config = cmd.config_path(opts.config, cwd, in_code=True)  # None: the script builds its own
+    auto: list[str] = []
     if config is not None:
         base = load_ds_config(config)  # missing or unparseable: one line, exit 2
-        _checked(base, str(config))  # before the start-up check: every trial would fail alike
+        auto = base.hf_auto_keys  # an HF Trainer fills them: the start-up check tells whether one does
+        if auto and cmd.config_flag in CONFIG_FLAGS:  # DeepSpeed's own flag: no Trainer reads that one
+            raise ConfigError(f"{config}: {auto_unfilled(auto, cmd.config_flag)}")
+        if not auto:
+            _checked(base, str(config))  # before the start-up check: every trial would fail alike
     note("start-up check: running the command once, up to deepspeed.initialize, to read its engine: "
          "pipeline stages (or none) and data-parallel size" + ("" if config is not None else
                                                                 ", and the DeepSpeed config the script builds"))
     shape, failure, probe_dir = probe_shape(cmd, ds_config=config, cwd=cwd,
                                             timeout=opts.trial_timeout or PROBE_TIMEOUT,
                                             startup_timeout=opts.startup_timeout)
+    marker = shape.script_config if shape is not None else _config_marker(probe_dir)
+    built_by = (marker or {}).get("built_by")
+    if auto and built_by != HF_TRAINER:
+        if failure is None:
+            shutil.rmtree(probe_dir, ignore_errors=True)
+        raise ConfigError(f"{config}: {auto_unfilled(auto, None)}")
     if failure is not None:
-        hint = ""
-        if config is not None and base.zero_stage >= 2:  # DeepSpeed's PipelineEngine asserts on it before the bootstrap sees it
+        hint = framework_hint(cmd, failure.failure_detail or "", built_by)
+        if config is not None and base.zero_stage >= 2 and not built_by:  # DeepSpeed's PipelineEngine asserts on it before the bootstrap sees it
             hint = (f"; if the script builds a PipelineModule: zero_optimization.stage {base.zero_stage} is "
                     "refused by DeepSpeed with pipeline parallelism (stage 0 or 1)")
         raise UserError(f"the command failed its start-up check ({failure.result.failure_reason}): "
                         f"{failure.failure_detail}; log kept in {probe_dir / 'launcher.log'}{hint}")
     shutil.rmtree(probe_dir, ignore_errors=True)
     assert shape is not None  # no failure: the probe read the engine
-    script_config = None
+    script_config = filled = None
+    if built_by == HF_TRAINER and config is not None:
+        filled = (marker or {}).get("config")
+        if not isinstance(filled, dict):
+            raise UserError("the HF Trainer's DeepSpeed config could not be read at deepspeed.initialize "
+                            f"({(marker or {}).get('error', 'not a dict')})")
+        clean = _finite(filled)  # the study and summary.json stay strict JSON
+        assert isinstance(clean, dict)
+        filled = clean
+        base = DsConfig.from_dict(filled, source=FILLED)
+        _checked(base, FILLED)
+        note(f"the job: an HF Trainer's; its batch is set through its arguments ({MICRO_FLAG}, {GAS_FLAG}), "
+             "and each trial's config keeps your \"auto\" values for the Trainer to fill")
     if config is None:
         base = config_from_code(shape.script_config)
         _checked(base, FROM_CODE)
@@ -232,10 +283,57 @@ def prepare_user_job(opts: RunOptions, argv: list[str], note: Callable[[str], No
     opts.workload.data_parallel_size = shape.data_parallel_size
     return UserJob(argv=list(argv), cwd=str(cwd), parameters=shape.parameters, pipeline_stages=shape.stages,
                    data_parallel_size=shape.data_parallel_size, micro_batch_size=shape.micro_batch_size,
-                   gradient_accumulation_steps=shape.gradient_accumulation_steps, script_config=script_config)
+                   gradient_accumulation_steps=shape.gradient_accumulation_steps, script_config=script_config,
+                   built_by=built_by, filled_config=filled)
 
 
 FROM_CODE = "the script's own config, built in code"
+FILLED = "the config as the HF Trainer filled it from its arguments"
+
+
+def _finite(raw: object) -> object:
+    """`raw` with each non-finite number as null: the Trainer fills `steps_per_print` with inf,
+    which strict JSON cannot hold (autotune writes the trials' files from the user's own)."""
+    if isinstance(raw, dict):
+        return {k: _finite(v) for k, v in raw.items()}
+    if isinstance(raw, list):
+        return [_finite(v) for v in raw]
+    return None if isinstance(raw, float) and not math.isfinite(raw) else raw
+
+
+def _config_marker(probe_dir: Path) -> dict | None:
+    """What a failed start-up check saw handed to `deepspeed.initialize` (written before it ran)."""
+    from autotune.trials.user_command import read_markers
+
+    found = read_markers(probe_dir, "config")
+    return found[0] if found else None
+
+
+def auto_unfilled(keys: list[str], flag: str | None) -> str:
+    """HF's "auto" where no Trainer fills it: the command hands the file to DeepSpeed's own `flag`,
+    or (None) the start-up check found no Trainer building the engine."""
+    why = (f"the command hands the file to DeepSpeed's {flag}, which no HF Trainer reads (its flag is "
+           "--deepspeed FILE)" if flag else "no HF Trainer builds this job's engine (the start-up check found "
+           "none at deepspeed.initialize)")
+    return (f"HF Trainer's \"auto\" at {', '.join(keys)}, and {why}, so nothing fills them and DeepSpeed does "
+            "not read them; put numbers there, or launch the Trainer script that fills them (docs/hf-trainer.md)")
+
+
+LIGHTNING_CPU = "The DeepSpeed strategy is only supported on CUDA GPUs"
+"""Lightning 2.6's DeepSpeedStrategy.setup_environment, on any other accelerator (docs/zero-facts.md)."""
+
+
+def framework_hint(cmd: UserCommand, detail: str, built_by: str | None) -> str:
+    """What a framework's known start-up failure on this machine means (docs/zero-facts.md)."""
+    if (built_by == HF_TRAINER and "train_batch_size is not equal" in detail
+            and "--use_cpu" not in cmd.script_args):
+        # without it the Trainer's world size reads 1 and DeepSpeed refuses the batch it filled
+        return ("; on a machine without a GPU the Trainer needs --use_cpu (without it the Trainer counts a "
+                "world size of 1 and fills train_batch_size for one rank)")
+    if LIGHTNING_CPU in detail:
+        return ("; Lightning's DeepSpeedStrategy runs on CUDA GPUs only, so its job cannot be tuned on this "
+                "machine (docs/lightning.md)")
+    return ""
 
 
 def _checked(base: DsConfig, where: str) -> None:

@@ -88,14 +88,24 @@ class DeepSpeedZero:
     def steps(self, opts: RunOptions, base: DsConfig, space: SearchSpace, *, root: Path,
               note: Callable[[str], None], noise: float, cluster: Cluster | None) -> list[SettingStep]:
         # the setting steps of the pipeline engines are PipelineModule's (checkpointing, partitions)
-        return [zero_sweep(base, root, note)]
+        return [zero_sweep(base, root, note, stages=zero_stages(opts.zero_stages))]
 
     def describe(self, opts: RunOptions) -> str:
         return f"; engine: {self.title}"
 
 
+def zero_stages(text: str) -> tuple[str, ...]:
+    """`--zero-stages 0,1,2,3`: the stages the sweep tries, as knob text; anything else is one line."""
+    stages = tuple(dict.fromkeys(t.strip() for t in text.split(",") if t.strip()))
+    if not stages or any(s not in ("0", "1", "2", "3") for s in stages):
+        raise UserError(f"--zero-stages {text!r}: list ZeRO stages from 0 to 3, comma-separated (e.g. 0,1,2,3, "
+                        "or the config's own stage alone to fix it)")
+    return stages
+
+
 def zero_sweep(base: DsConfig, root: Path, note: Callable[[str], None], *, then: Sequence[Knob] = (),
-               then_own: Mapping[str, str | None] | None = None) -> KnobSweep:
+               then_own: Mapping[str, str | None] | None = None,
+               stages: Sequence[str] = ("0", "1", "2", "3")) -> KnobSweep:
     """The ZeRO step: the stage (0-3), then `overlap_comm` and `contiguous_gradients` at the stage
     kept, one trial per value at the baseline's micro-batch and GAS; a value is kept when it beats
     the one in force by more than the noise between launches (autotune/tuning/knob_sweep.py). A
@@ -105,7 +115,7 @@ def zero_sweep(base: DsConfig, root: Path, note: Callable[[str], None], *, then:
     from autotune.tuning.knob_sweep import KnobSweep
 
     own = effective_zero_settings(base)  # what the baseline runs: the config's, else DeepSpeed's defaults
-    knobs = [Knob(name=STAGE_KNOB, flag=STAGE_KNOB, joined=True, values=("0", "1", "2", "3")),
+    knobs = [Knob(name=STAGE_KNOB, flag=STAGE_KNOB, joined=True, values=tuple(stages)),
              *(Knob(name=k, flag=k, joined=True, values=("false", "true")) for k in ZERO_KNOBS[1:]), *then]
     return KnobSweep(knobs, {**own, **(then_own or {})}, root, note, inert=_inert)
 

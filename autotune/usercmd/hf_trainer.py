@@ -1,0 +1,110 @@
+"""An HF `transformers.Trainer` job: where its batch lives and how its "auto" values stay the Trainer's.
+
+The Trainer (through accelerate) builds the engine itself: it fills the config's "auto" values from
+its own arguments before `deepspeed.initialize` (transformers/integrations/deepspeed.py
+`trainer_config_process`), and refuses a config whose explicit batch values disagree with them. So
+autotune changes the batch where the Trainer reads it, in its arguments
+(`--per_device_train_batch_size`, `--gradient_accumulation_steps`), and keeps "auto" in each trial's
+config where the user's file has it (docs/hf-trainer.md):
+
+- the computing base is the config as the Trainer filled it, read at `deepspeed.initialize` by
+  the start-up check (autotune/rank/hook.py `script_config`);
+- each trial's file is the user's file with the values that trial changes written in: an "auto"
+  stays "auto" unless the trial tunes that value;
+- the batch keys stay as the file has them: "auto", or the trial's own numbers.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+from autotune.core.trainer_args import GAS_FLAG, HF_TRAINER, MICRO_FLAG
+
+__all__ = ["HF_TRAINER", "TrainerConfig", "arg_value", "with_batch"]
+BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+AUTO = "auto"
+
+
+def _spellings(flag: str) -> tuple[str, str]:
+    """HfArgumentParser takes each field as --a_b and as --a-b."""
+    return flag, "--" + flag[2:].replace("_", "-")
+
+
+def arg_value(script_args: tuple[str, ...], flag: str) -> str | None:
+    """The command's own value of a Trainer argument (either spelling), or None."""
+    names = _spellings(flag)
+    for i, a in enumerate(script_args):
+        name, eq, value = a.partition("=")
+        if name in names:
+            return value if eq else (script_args[i + 1] if i + 1 < len(script_args) else None)
+    return None
+
+
+def with_arg(script_args: tuple[str, ...], flag: str, value: int) -> tuple[str, ...]:
+    """The script args with a Trainer argument set: replaced in place (every other argument keeps its
+    index, the config's among them), else appended."""
+    out, names = list(script_args), _spellings(flag)
+    for i, a in enumerate(out):
+        name, eq, _ = a.partition("=")
+        if name in names:
+            if eq:
+                out[i] = f"{name}={value}"
+            elif i + 1 < len(out):
+                out[i + 1] = str(value)
+            return tuple(out)
+    return (*out, flag, str(value))
+
+
+def with_batch(script_args: tuple[str, ...], micro: int, gas: int) -> tuple[str, ...]:
+    return with_arg(with_arg(script_args, MICRO_FLAG, micro), GAS_FLAG, gas)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrainerConfig:
+    """The user's config file (with its "auto" values) beside the config the Trainer filled from it."""
+
+    own: dict[str, Any]
+    """The file as the user wrote it."""
+    filled: dict[str, Any]
+    """The config the Trainer handed `deepspeed.initialize` at the start-up check."""
+
+    def trial_file(self, trial: dict[str, Any]) -> dict[str, Any]:
+        """A trial's config (made from `filled`) as the file the Trainer reads: the user's own file
+        with each value the trial changed written in (what the Trainer adds when it fills, such as
+        its precision sections and an infinite `steps_per_print`, is left to it); the batch keys stay
+        as the file has them ("auto": the Trainer fills them from the arguments autotune sets)."""
+        out = copy.deepcopy(self.own)
+        for path, value in _leaves(trial):
+            if path[0] in BATCH_KEYS:
+                continue
+            if _get(self.filled, path) != value:
+                _set(out, path, copy.deepcopy(value))
+        for key in BATCH_KEYS:  # numbers in the file must agree with the arguments: the trial's own
+            if key in out and out[key] != AUTO:
+                out[key] = trial.get(key, out[key])
+        return out
+
+
+def _leaves(raw: Any, prefix: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], Any]]:
+    if isinstance(raw, dict) and raw:
+        return [leaf for k, v in raw.items() for leaf in _leaves(v, (*prefix, k))]
+    return [(prefix, raw)] if prefix else []
+
+
+_MISSING = object()
+
+
+def _get(raw: Any, path: tuple[str, ...]) -> Any:
+    for key in path:
+        if not isinstance(raw, dict) or key not in raw:
+            return _MISSING
+        raw = raw[key]
+    return raw
+
+
+def _set(raw: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
+    for key in path[:-1]:
+        raw = raw.setdefault(key, {})
+    raw[path[-1]] = value
