@@ -83,6 +83,22 @@ def test_memory_near_limit_needs_device_size():
     assert not fired(evaluate([s], context={"device_memory_bytes": 160e9}), "memory-near-limit")
 
 
+def test_zero2_headroom_proposes_zero1_only_where_it_provably_fits():
+    """Below half the device at ZeRO-2 on a plain engine: ZeRO-1 adds at most the gradients'
+    copy, which is no larger than the parameters' copy ZeRO-2 already holds whole."""
+    plain = healthy_summary(memory_peak_bytes=30e9, pipeline_stages=1, data_parallel_size=8)
+    ctx = {"device_memory_bytes": 80e9}
+    zero2 = DsConfig.from_dict({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2}})
+    f = fired(evaluate([plain], ds_config=zero2, context=ctx), "zero2-headroom-lower-stage")
+    assert len(f) == 1 and f[0].changes[0].target == "zero_optimization.stage" and (f[0].changes[0].current, f[0].changes[0].new) == (2, 1)
+    full = healthy_summary(memory_peak_bytes=50e9, pipeline_stages=1, data_parallel_size=8)
+    assert not fired(evaluate([full], ds_config=zero2, context=ctx), "zero2-headroom-lower-stage")
+    zero1 = DsConfig.from_dict({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 1}})
+    assert not fired(evaluate([plain], ds_config=zero1, context=ctx), "zero2-headroom-lower-stage")
+    unknown = evaluate([plain], ds_config=zero2)  # no device size (a CPU, a CSV): not judged, never 0
+    assert not fired(unknown, "zero2-headroom-lower-stage")
+
+
 def test_evidence_names_ranks_and_stages():
     ranks = _ranks(fl=0.05)
     ranks[3].device_utilization_fluctuation = 0.3
