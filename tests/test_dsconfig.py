@@ -5,7 +5,15 @@ import pytest
 from autotune.advisor.config_rules import config_facts
 from autotune.advisor.findings import FIRED, Change, Finding
 from autotune.advisor.patch import patch_config
-from autotune.core.dsconfig import DsConfig, load_ds_config, reduce_bucket_acts, reduce_bucket_inert
+from autotune.core.dsconfig import (
+    ZERO_KEYS,
+    DsConfig,
+    check_known_zero_keys,
+    load_ds_config,
+    reduce_bucket_acts,
+    reduce_bucket_inert,
+    unknown_zero_keys,
+)
 from autotune.core.errors import ConfigError
 from autotune.core.space import SearchSpace
 
@@ -158,3 +166,25 @@ def test_the_search_space_the_config_facts_and_the_patch_follow_the_one_bucket_r
     assert (facts.get("reduce_bucket_size") is not None) is acts
     patched = patch_config(cfg, [_bucket_finding(dp)])
     assert patched["zero_optimization"]["reduce_bucket_size"] == (100_000 if acts else 200_000)
+
+
+def test_the_zero_keys_are_the_installed_deepspeeds():
+    """ZERO_KEYS is DeepSpeedZeroConfig's fields and aliases, which forbids any other key."""
+    zero_config = pytest.importorskip("deepspeed.runtime.zero.config")
+    model = zero_config.DeepSpeedZeroConfig
+    names = set()
+    for name, f in model.model_fields.items():
+        names |= {name, *(a for a in (f.alias, f.validation_alias) if isinstance(a, str))}
+    assert model.model_config.get("extra") == "forbid"  # why an unknown key fails every trial
+    assert names == set(ZERO_KEYS)
+
+
+def test_an_unknown_zero_key_is_one_line_with_the_nearest_known():
+    cfg = DsConfig.from_dict({"train_micro_batch_size_per_gpu": 1,
+                              "zero_optimization": {"stage": 2, "reduce_bucket_sizee": 5}})
+    assert unknown_zero_keys(cfg.raw) == ["reduce_bucket_sizee"]
+    with pytest.raises(ConfigError, match=r"ds\.json: zero_optimization\.reduce_bucket_sizee: .*did you mean "
+                                          r"reduce_bucket_size\?"):
+        check_known_zero_keys(cfg, "ds.json")
+    check_known_zero_keys(DsConfig.from_dict({"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": 1}}),
+                          "ok.json")  # every key it knows passes

@@ -196,6 +196,7 @@ CONFIG_CASES = {
     "bucket-size-in-bytes": {"zero_optimization": {"stage": 1, "reduce_bucket_size": 536870912}},
     "fp16-keys-under-bf16": {"bf16": {"enabled": True}, "fp16": {"initial_scale_power": 16}},
     "unknown-bucket-key": {"allreduce_bucket_size": 50000000},
+    "unknown-zero-key": {"zero_optimization": {"stage": 2, "reduce_bucket_sizee": 50000000}},
     "zero1-bucket-buffer": {"zero_optimization": {"stage": 1}},  # DeepSpeed's default 5e8
 }
 

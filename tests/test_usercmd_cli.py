@@ -198,3 +198,23 @@ def test_a_very_long_command_is_cut_after_a_word_saying_how_much_was_left_out():
     assert describe_job(None, {"preset": "tiny", "pipeline_stages": 2, "data_parallel_size": 2}) == (
         "workload tiny, 2 pipeline stages x 2 data-parallel = 4 ranks")
     assert describe_job({"argv": ["torchrun", "t.py"]}, {}) == "the command torchrun t.py"
+
+
+def test_cli_a_zero_key_deepspeed_refuses_is_exit_2_before_anything_runs(job):
+    """DeepSpeed's ZeRO section forbids unknown keys: every trial would fail at initialize."""
+    (job / "typo.json").write_text('{"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2, '
+                                   '"overlap_com": true}}')
+    result = _run_with_config(job, "typo.json")
+    assert result.exit_code == 2, result.output
+    assert "zero_optimization.overlap_com" in result.output and "did you mean overlap_comm?" in result.output
+    assert "start-up check" not in result.output and not (job / "st").exists()
+    from click.testing import CliRunner
+
+    from autotune.cli.main import cli
+
+    (job / "typo1.json").write_text('{"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "Adam", '
+                                    '"params": {"lr": 0.001}}, "zero_optimization": {"stage": 1, "overlap_com": true}}')
+    built_in = CliRunner().invoke(cli, ["run", "--study", str(job / "st2"), "--config", str(job / "typo1.json"),
+                                        "--no-metrics"])
+    assert built_in.exit_code == 2 and "did you mean overlap_comm?" in built_in.output, built_in.output
+    assert not (job / "st2").exists()

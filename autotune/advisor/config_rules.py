@@ -14,6 +14,7 @@ from autotune.core.dsconfig import (
     PIPELINE_KEYS_READ,
     DsConfig,
     reduce_bucket_acts,
+    unknown_zero_keys,
 )
 from autotune.core.errors import ConfigError
 from autotune.core.summary import ideal_bubble_fraction
@@ -69,6 +70,11 @@ def config_facts(cfg: DsConfig, *, stages: int | None = None, world_size: int | 
     unknown = [k for k in UNKNOWN_BUCKET_KEYS if get_dotted(raw, k)[0]]
     values["config.unknown_bucket_keys"] = float(len(unknown))
     details["config.unknown_bucket_keys"] = ", ".join(unknown)
+
+    # any other key DeepSpeed's ZeRO section refuses (allreduce_bucket_size has its own rule)
+    refused = [f"zero_optimization.{k}" for k in unknown_zero_keys(raw) if k != "allreduce_bucket_size"]
+    values["config.unknown_zero_keys"] = float(len(refused))
+    details["config.unknown_zero_keys"] = ", ".join(refused)
 
     # ZeRO-1 under pipeline parallelism with contiguous_gradients (the default) allocates a
     # reduce_bucket_size-element gradient buffer on every step, however small the model

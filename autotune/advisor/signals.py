@@ -34,7 +34,7 @@ CONFIG_SIGNALS: frozenset[str] = frozenset({
     "config.zero_stage", "config.reduce_bucket_size_set", "config.ignored_pipeline_keys",
     "config.bucket_sizes_as_bytes", "config.bf16_enabled", "config.fp16_keys_under_bf16",
     "config.timers_enabled", "config.unknown_bucket_keys", "config.zero1_bucket_buffer_bytes",
-    "config.not_strict_json", "config.hf_auto_values", "config.pipeline_job",
+    "config.not_strict_json", "config.hf_auto_values", "config.pipeline_job", "config.unknown_zero_keys",
 })
 ALL_SIGNALS: frozenset[str] = METRIC_SIGNALS | LAYOUT_SIGNALS | CONFIG_SIGNALS
 

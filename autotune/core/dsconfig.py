@@ -298,6 +298,52 @@ def with_settings(raw: dict, settings: dict[str, str]) -> dict:
     return out
 
 
+ZERO_KEYS = frozenset({
+    "allgather_bucket_size", "allgather_partitions", "allgather_sequential", "compute_grad_norm",
+    "contiguous_gradients", "cpu_offload", "cpu_offload_param", "cpu_offload_use_pin_memory",
+    "elastic_checkpoint", "enable_sanity_checks", "gather_16bit_weights_on_model_save",
+    "ignore_unused_parameters", "leaf_module", "legacy_stage1", "load_from_fp32_weights",
+    "log_trace_cache_warnings", "max_live_parameters", "max_reuse_distance", "memory_efficient_linear",
+    "model_persistence_threshold", "module_granularity_threshold", "offload_optimizer",
+    "offload_param", "overlap_comm", "override_module_apply", "param_persistence_threshold",
+    "parameter_alignment", "pipeline_loading_checkpoint", "prefetch_bucket_size", "reduce_bucket_size",
+    "reduce_scatter", "round_robin_gradients", "save_muon_momentum_buffer_in_memory", "stage",
+    "stage3_allgather_sequential", "stage3_gather_16bit_weights_on_model_save",
+    "stage3_gather_fp16_weights_on_model_save", "stage3_max_live_parameters",
+    "stage3_max_reuse_distance", "stage3_model_persistence_threshold",
+    "stage3_module_granularity_threshold", "stage3_param_persistence_threshold",
+    "stage3_prefetch_bucket_size", "stage3_use_all_reduce_for_fetch_params", "sub_group_size",
+    "use_all_reduce_for_fetch_params", "use_multi_rank_bucket_allreduce", "zenflow",
+    "zero_hpz_partition_size", "zero_quantized_gradients", "zero_quantized_nontrainable_weights",
+    "zero_quantized_weights",
+})
+"""Every key DeepSpeed 0.19.8's `zero_optimization` section takes (DeepSpeedZeroConfig's fields and
+aliases). Its model forbids any other ("Extra inputs are not permitted"): a config with one fails
+every trial at deepspeed.initialize. tests/test_dsconfig.py pins this set against the installed
+DeepSpeed."""
+
+
+def unknown_zero_keys(raw: dict) -> list[str]:
+    """The keys of the config's `zero_optimization` section that DeepSpeed refuses."""
+    zero = raw.get("zero_optimization")
+    return sorted(k for k in zero if k not in ZERO_KEYS) if isinstance(zero, dict) else []
+
+
+def check_known_zero_keys(cfg: DsConfig, where: str) -> None:
+    """One line before any trial for a `zero_optimization` key DeepSpeed refuses, with the nearest
+    it knows."""
+    import difflib
+
+    unknown = unknown_zero_keys(cfg.raw)
+    if unknown:
+        key = unknown[0]
+        near = difflib.get_close_matches(key, sorted(ZERO_KEYS), n=1)
+        hint = f"; did you mean {near[0]}?" if near else ""
+        more = f" (and {', '.join(unknown[1:])})" if unknown[1:] else ""
+        raise ConfigError(f"{where}: zero_optimization.{key}{more}: DeepSpeed 0.19.8 does not know this key and "
+                          f"refuses the config (its ZeRO section forbids unknown keys), so every trial would fail{hint}")
+
+
 ZERO_STAGE_KEY = "zero_optimization.stage"
 ZERO_SETTINGS = (ZERO_STAGE_KEY, "zero_optimization.overlap_comm", "zero_optimization.contiguous_gradients")
 """The ZeRO settings a plain engine's sweep sets per trial, in the order it sweeps them."""

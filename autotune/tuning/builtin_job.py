@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from autotune.core.dsconfig import DsConfig
+from autotune.core.dsconfig import DsConfig, check_known_zero_keys
 from autotune.core.errors import UserError
 from autotune.core.options import RunOptions
 from autotune.core.space import SearchSpace
@@ -47,6 +47,7 @@ class BuiltinJob:
     def check_config(self, opts: RunOptions, base: DsConfig) -> None:
         self.engine(opts).check_config(opts, base)  # what the engine cannot build at all, first
         require_optimizer(base, opts.config)  # a config without one would fail every trial alike
+        check_known_zero_keys(base, opts.config or "the config")  # nor one DeepSpeed's ZeRO section refuses
 
     def space(self, opts: RunOptions, base: DsConfig) -> SearchSpace:
         return self.engine(opts).space(opts, base, build_space(opts, base))

@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from autotune.core.dsconfig import ZERO_SETTINGS, DsConfig, load_ds_config
+from autotune.core.dsconfig import ZERO_SETTINGS, DsConfig, check_known_zero_keys, load_ds_config
 from autotune.core.errors import ConfigError, UserError
 from autotune.core.space import SearchSpace
 from autotune.core.trainer_args import GAS_FLAG, HF_TRAINER, MICRO_FLAG
@@ -220,6 +220,7 @@ def prepare_user_job(opts: RunOptions, argv: list[str], note: Callable[[str], No
     auto: list[str] = []
     if config is not None:
         base = load_ds_config(config)  # missing or unparseable: one line, exit 2
+        check_known_zero_keys(base, str(config))  # DeepSpeed would refuse it in every trial
         auto = base.hf_auto_keys  # an HF Trainer fills them: the start-up check tells whether one does
         if auto and cmd.config_flag in CONFIG_FLAGS:  # DeepSpeed's own flag: no Trainer reads that one
             raise ConfigError(f"{config}: {auto_unfilled(auto, cmd.config_flag)}")
@@ -342,6 +343,7 @@ def _checked(base: DsConfig, where: str) -> None:
         base.check_no_hf_auto()  # the job would hand them to DeepSpeed, which does not fill them
     except ConfigError as exc:
         raise ConfigError(f"{where}: {exc}") from None
+    check_known_zero_keys(base, where)
     check_precision(base)
 
 
