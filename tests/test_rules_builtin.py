@@ -83,6 +83,13 @@ def test_memory_near_limit_needs_device_size():
     assert not fired(evaluate([s], context={"device_memory_bytes": 160e9}), "memory-near-limit")
 
 
+def test_the_measured_device_size_stands_in_for_the_callers():
+    """A GPU rank records its device's total (memory_capacity_bytes): the memory rules need no flag."""
+    s = healthy_summary(memory_peak_bytes=76e9, memory_capacity_bytes=80e9)
+    assert fired(evaluate([s]), "memory-near-limit")
+    assert not fired(evaluate([s], context={"device_memory_bytes": 160e9}), "memory-near-limit")  # the caller's wins
+
+
 def test_zero2_headroom_proposes_zero1_only_where_it_provably_fits():
     """Below half the device at ZeRO-2 on a plain engine: ZeRO-1 adds at most the gradients'
     copy, which is no larger than the parameters' copy ZeRO-2 already holds whole."""

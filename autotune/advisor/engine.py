@@ -63,8 +63,10 @@ def evaluate(summaries: Sequence[TrialSummary | SignalSet], ds_config: DsConfig 
     ctx = AdviceContext.from_mapping(context)
     rule_list = load_rules() if rules is None else list(rules)
     oom = (ctx.failure_reason == "oom") if ctx.outcome_known else None
+    # the device's size: the caller's, else the one the ranks measured (the CSV's memory_capacity_bytes,
+    # a GPU's total; none on a CPU)
     subjects = [s if isinstance(s, SignalSet)
-                else from_summary(s, oom=oom, device_memory_bytes=ctx.device_memory_bytes)
+                else from_summary(s, oom=oom, device_memory_bytes=ctx.device_memory_bytes or s.memory_capacity_bytes)
                 for s in summaries]
     cfg = (config_facts(ds_config, stages=ctx.stages, world_size=ctx.world_size, name=ctx.config_name)
            if ds_config is not None else None)
