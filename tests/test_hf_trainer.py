@@ -16,10 +16,12 @@ from launch_helpers import autotune_cli
 from shared_studies import EXAMPLES, HF_BATCH, HF_CONFIG, user_env
 
 from autotune.core.errors import UserError
+from autotune.core.knob import Knob
 from autotune.core.trainer_args import GAS_FLAG, MICRO_FLAG
 from autotune.usercmd.command import parse_command
-from autotune.usercmd.hf_trainer import TrainerConfig, arg_value, with_batch
+from autotune.usercmd.hf_trainer import TrainerConfig, with_batch
 from autotune.usercmd.job import framework_hint
+from autotune.usercmd.knobs import value_in
 
 GLOBAL_BATCH = HF_BATCH[0] * HF_BATCH[1] * 2
 
@@ -110,7 +112,8 @@ def test_the_trainers_batch_arguments_are_replaced_in_place_or_added():
     args = ("--deepspeed", "ds.json", "--per-device-train-batch-size", "2", "--gradient_accumulation_steps=4")
     out = with_batch(args, 8, 1)
     assert out == ("--deepspeed", "ds.json", "--per-device-train-batch-size", "8", "--gradient_accumulation_steps=1")
-    assert arg_value(out, MICRO_FLAG) == "8" and arg_value(out, GAS_FLAG) == "1"
+    assert value_in(out, Knob(name="m", flag="--per-device-train-batch-size", joined=False, values=())) == "8"
+    assert value_in(out, Knob(name="g", flag=GAS_FLAG, joined=False, values=())) == "1"
     assert with_batch(("--deepspeed", "ds.json"), 4, 2) == ("--deepspeed", "ds.json", MICRO_FLAG, "4", GAS_FLAG, "2")
 
 

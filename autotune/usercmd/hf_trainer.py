@@ -20,45 +20,28 @@ import copy
 from dataclasses import dataclass
 from typing import Any
 
-from autotune.core.trainer_args import GAS_FLAG, HF_TRAINER, MICRO_FLAG
+from autotune.core.knob import Knob
+from autotune.core.trainer_args import GAS_FLAG, MICRO_FLAG
+from autotune.usercmd.knobs import value_in, with_value
 
-__all__ = ["HF_TRAINER", "TrainerConfig", "arg_value", "with_batch"]
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 AUTO = "auto"
 
 
-def _spellings(flag: str) -> tuple[str, str]:
-    """HfArgumentParser takes each field as --a_b and as --a-b."""
-    return flag, "--" + flag[2:].replace("_", "-")
-
-
-def arg_value(script_args: tuple[str, ...], flag: str) -> str | None:
-    """The command's own value of a Trainer argument (either spelling), or None."""
-    names = _spellings(flag)
-    for i, a in enumerate(script_args):
-        name, eq, value = a.partition("=")
-        if name in names:
-            return value if eq else (script_args[i + 1] if i + 1 < len(script_args) else None)
-    return None
-
-
-def with_arg(script_args: tuple[str, ...], flag: str, value: int) -> tuple[str, ...]:
-    """The script args with a Trainer argument set: replaced in place (every other argument keeps its
-    index, the config's among them), else appended."""
-    out, names = list(script_args), _spellings(flag)
-    for i, a in enumerate(out):
-        name, eq, _ = a.partition("=")
-        if name in names:
-            if eq:
-                out[i] = f"{name}={value}"
-            elif i + 1 < len(out):
-                out[i + 1] = str(value)
-            return tuple(out)
-    return (*out, flag, str(value))
+def _argument(script_args: tuple[str, ...], flag: str) -> Knob:
+    """A Trainer argument as a knob's flag, in the spelling the command uses (HfArgumentParser takes
+    each field as --a_b and as --a-b; the first where the command gives neither)."""
+    spellings = (flag, "--" + flag[2:].replace("_", "-"))
+    given = [f for f in spellings if value_in(script_args, Knob(name="arg", flag=f, joined=False, values=()))]
+    return Knob(name="arg", flag=(given or spellings)[0], joined=False, values=())
 
 
 def with_batch(script_args: tuple[str, ...], micro: int, gas: int) -> tuple[str, ...]:
-    return with_arg(with_arg(script_args, MICRO_FLAG, micro), GAS_FLAG, gas)
+    """The script args with the Trainer's batch arguments set: replaced in place (every other
+    argument keeps its index, the config's among them), else appended (usercmd/knobs.py)."""
+    for flag, value in ((MICRO_FLAG, micro), (GAS_FLAG, gas)):
+        script_args = with_value(script_args, _argument(script_args, flag), str(value))
+    return script_args
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
