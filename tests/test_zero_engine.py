@@ -16,6 +16,7 @@ from step_driver import Driven
 from autotune.core.dsconfig import DsConfig, reduce_bucket_acts, reduce_bucket_inert, with_settings
 from autotune.core.space import TrialConfig
 from autotune.core.summary import NOT_A_PIPELINE
+from autotune.core.trial_kind import TrialKind
 from autotune.engines.deepspeed_zero.engine import STAGE_KNOB, ZERO_KNOBS, zero_sweep
 from autotune.rank.collectives import COLLECTIVE_PREFIX, collective_kind
 from autotune.rank.engine_face import COLLECTIVE, COMPUTE, OPTIMIZER, EngineLayout, Instruction
@@ -78,13 +79,20 @@ def test_the_stage_sweep_runs_each_other_stage_and_its_trials_carry_it(zero_stud
     knobs = json.loads((zero_study.study / "knobs.json").read_text())
     assert set(knobs["measured"][STAGE_KNOB]) == {"0", "1", "2", "3"} - {str(ZERO_STAGE)}
     summary = json.loads((zero_study.study / "summary.json").read_text())
+    searched: dict[bool, set[int]] = {False: set(), True: set()}  # the search's stages, before/after a re-check
+    again = next((t["trial"] for t in summary["trials"] if TrialKind.of(t["source"]).at_best), None)
     for t in summary["trials"]:
         ran = json.loads((zero_study.study / f"trial-{t['trial']:03d}" / "ds_config.json").read_text())
-        stage = t["source"].split("=")[1] if t["source"].startswith(f"knob:{STAGE_KNOB}=") else None
-        if stage is not None:
-            assert ran["zero_optimization"]["stage"] == int(stage), t
-        elif t["source"] != "baseline" and not t["source"].startswith("knob:"):  # the search: the kept stage
-            assert ran["zero_optimization"]["stage"] == int(knobs["kept"][STAGE_KNOB]), t
+        setting = TrialKind.of(t["source"]).knob_setting  # a stage trial, at the baseline's layout or the best's
+        if setting is not None and setting[0] == STAGE_KNOB:
+            assert ran["zero_optimization"]["stage"] == int(setting[1]), t
+        elif t["source"] != "baseline" and setting is None:
+            searched[again is not None and t["trial"] > again].add(ran["zero_optimization"]["stage"])
+    kept = int(knobs["kept"][STAGE_KNOB])
+    if again is None:
+        assert searched[False] <= {kept}  # the search runs the stage the sweep kept
+    else:  # the stage kept at the baseline's layout, then the one kept at the best's
+        assert len(searched[False]) <= 1 and searched[True] <= {kept}
 
 
 def test_the_best_config_is_what_the_best_trial_ran_with_the_tuned_batch(zero_study):

@@ -41,7 +41,9 @@ def superseded(trials: list[Any]) -> set[int]:
     is the same case, another model setting at the baseline's key, so each is a round here;
     `KnobSweep` keeps a value only when it beats the measurement in force by more than the
     noise (core/noise.py `beats`: one run each cannot tell a tie apart, while a partition
-    round's tie was run again before its means were compared).
+    round's tie was run again before its means were compared). A knob trial at the best's
+    layout (`knob-at-best:`, the ZeRO stage tried again before the search ends) is a round
+    whose reference is that configuration's runs in force, not the baseline's.
     """
     def measured(t: Any) -> bool:
         return t.status == "ok" and t.samples_per_second is not None
@@ -72,6 +74,11 @@ def superseded(trials: list[Any]) -> set[int]:
         if kind.is_baseline or t.source == COSTS:
             close()
             reference = [t] if measured(t) else []
+        elif kind.at_best:  # its reference: the runs in force of the configuration it re-runs
+            close()
+            reference = [r for r in rows if r.number < t.number and r.config.key() == t.config.key()
+                         and measured(r) and r.number not in out]
+            candidate = [t]
         elif t.source == SOURCE or kind.step is Step.KNOB:
             close()
             candidate = [t]

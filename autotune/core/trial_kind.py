@@ -48,6 +48,10 @@ class TrialKind(str):
         return cls(f"{KNOB_PREFIX}{name}={value}")
 
     @classmethod
+    def knob_at_best(cls, name: str, value: str) -> TrialKind:
+        return cls(f"{KNOB_AT_BEST_PREFIX}{name}={value}")
+
+    @classmethod
     def rule(cls, rule_id: str) -> TrialKind:
         return cls(f"{RULE_PREFIX}{rule_id}")
 
@@ -63,7 +67,7 @@ class TrialKind(str):
             return Step.PARTITION
         if self.label == CHECKPOINT:
             return Step.CHECKPOINT
-        if self.label.startswith(KNOB_PREFIX):
+        if self.label.startswith((KNOB_PREFIX, KNOB_AT_BEST_PREFIX)):
             return Step.KNOB
         return Step.SEARCH
 
@@ -87,8 +91,13 @@ class TrialKind(str):
         """(name, value) of a knob trial; None for any other kind."""
         if self.step is not Step.KNOB:
             return None
-        name, _, value = self.label[len(KNOB_PREFIX):].partition("=")
+        name, _, value = self.label.partition(":")[2].partition("=")
         return name, value
+
+    @property
+    def at_best(self) -> bool:
+        """A knob trial at the best trial's layout, not the baseline's (`KNOB_AT_BEST_PREFIX`)."""
+        return self.label.startswith(KNOB_AT_BEST_PREFIX)
 
 
 BASELINE = TrialKind("baseline")
@@ -105,6 +114,9 @@ CHECKPOINT = TrialKind("checkpoint")
 """An out-of-memory micro-batch again with activation checkpointing."""
 KNOB_PREFIX = "knob:"
 """`knob:NAME=VALUE`: the baseline's layout with one of the user's model settings changed."""
+KNOB_AT_BEST_PREFIX = "knob-at-best:"
+"""`knob-at-best:NAME=VALUE`: the best trial's layout with a knob decided at the baseline's tried
+again before the search ends (the ZeRO stage: which stage wins changes with the micro-batch)."""
 BAYES, EXPLORE, CLIMB = TrialKind("bayes"), TrialKind("explore"), TrialKind("climb")
 """The hybrid proposer's own proposals (autotune/tuning/proposers/hybrid.py): the surrogate's
 pick, a random point before any rule fired, a step from the best along one axis. A rule's

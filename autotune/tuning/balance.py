@@ -274,6 +274,9 @@ class StageBalancer:
                        f"{work_imbalance(summary):.2f}x the mean stage's work: its configuration again with the "
                        "layer-cost hooks, to partition at it")]
 
+    def before_end(self, best: TrialRow | None, room: int) -> Proposal | None:
+        return None
+
     def next_proposal(self) -> Proposal | None:
         """The step's next trial: each follows from the trial just finished."""
         return self.pending.pop(0) if self.pending else None

@@ -64,6 +64,9 @@ class CheckpointStep:
         self.tried: set[tuple] = set()
         """Keys of the checkpointed configurations planned so far (never one twice)."""
 
+    def before_end(self, best: Any, room: int) -> Proposal | None:
+        return None
+
     def next_proposal(self) -> Proposal | None:
         p, self.pending = self.pending, None
         return p

@@ -69,6 +69,12 @@ class SettingStep(Protocol):
         """Its next trial, if the trial just finished calls for one."""
         ...
 
+    def before_end(self, best: TrialRow | None, room: int) -> Proposal | None:
+        """A trial it wants before the search ends (the tuner asks when the budget has `room` for
+        no more than the last trials, or the search has converged): the knob sweep's ZeRO stage
+        tried again at the best's layout. `best`: the study's best so far."""
+        ...
+
     def prepare(self, request: TrialRequest, kind: TrialKind) -> None:
         """Fill in this step's part of a trial's request (parts, layer-cost hooks, knob values)."""
         ...

@@ -46,6 +46,9 @@ class TraceStep:
             if row.samples_per_second and row.samples_per_second > self.best_speed:
                 self.best_speed, self.best_key = row.samples_per_second, row.config.key()
 
+    def before_end(self, best: TrialRow | None, room: int) -> Proposal | None:
+        return None
+
     def next_proposal(self) -> Proposal | None:
         return None
 

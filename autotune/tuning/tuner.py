@@ -55,6 +55,11 @@ class TuneResult:
     """130 after Ctrl-C, 143 after SIGTERM, else 0."""
 
 
+ENDING_ROOM = 2
+"""The budget's room at which the setting steps are asked for what they want before the search
+ends (`SettingStep.before_end`): their trial, then one slot for the proposer's re-measurement."""
+
+
 class StartupStalls(AutotuneError):
     """The ranks' start-up stalls at the same place trial after trial: the run stops with where."""
 
@@ -209,7 +214,11 @@ class Tuner:
         queued = next((p for step in self.steps if (p := step.next_proposal()) is not None), None)
         if queued is None:
             stopped = search_stop.check(self.study, self.proposer, self.budget, enabled=self.stop_early)
-            if stopped is not None:
+            room = self.budget - len(self.study.counted())
+            if stopped is not None or room <= ENDING_ROOM:
+                best = self.study.best()
+                queued = next((p for step in self.steps if (p := step.before_end(best, room)) is not None), None)
+            if stopped is not None and queued is None:
                 self.note(search_stop.describe(stopped))
                 return None
         return number, queued or self.proposer.ask()

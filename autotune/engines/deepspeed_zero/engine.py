@@ -117,7 +117,7 @@ def zero_sweep(base: DsConfig, root: Path, note: Callable[[str], None], *, then:
     own = effective_zero_settings(base)  # what the baseline runs: the config's, else DeepSpeed's defaults
     knobs = [Knob(name=STAGE_KNOB, flag=STAGE_KNOB, joined=True, values=tuple(stages)),
              *(Knob(name=k, flag=k, joined=True, values=("false", "true")) for k in ZERO_KNOBS[1:]), *then]
-    return KnobSweep(knobs, {**own, **(then_own or {})}, root, note, inert=_inert)
+    return KnobSweep(knobs, {**own, **(then_own or {})}, root, note, inert=_inert, again=STAGE_KNOB)
 
 
 def _inert(name: str, kept: Mapping[str, str | None]) -> str | None:
