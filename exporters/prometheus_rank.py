@@ -262,6 +262,18 @@ class RankExporter:
         yield from gauge("autotune_reduce_bucket_size",
                          "zero_optimization.reduce_bucket_size in elements; absent when unset.",
                          r.reduce_bucket_size)
+        yield from gauge("autotune_zero_stage", "The engine's ZeRO stage (0-3); absent for an engine without ZeRO.",
+                         r.zero_stage)
+        yield from gauge("autotune_collective_calls_per_micro_batch",
+                         "A plain engine's collective calls (ZeRO's reductions and gathers) in the last step / "
+                         "gradient accumulation steps; absent on a pipeline engine.",
+                         r.collective_calls / max(1, r.gradient_accumulation_steps)
+                         if r.collective_calls is not None else None)
+        yield from gauge("autotune_gather_comm_ratio",
+                         "The all-gathers' share of a plain engine's communication seconds in the last step "
+                         "(transfer only: ZeRO-3's parameter gathers); absent on a pipeline engine.",
+                         r.gather_seconds / r.comm_seconds
+                         if r.gather_seconds is not None and r.comm_seconds > 0 else None)
         yield from gauge("autotune_last_step_timestamp_seconds",
                          "Unix time at the end of the last step.", r.time)
 

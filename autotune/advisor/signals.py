@@ -22,7 +22,7 @@ METRIC_SIGNALS: frozenset[str] = frozenset({
     "stage_compute_imbalance", "step_time_jitter", "samples_per_second",
     "memory_fragmentation_ratio", "memory_peak_bytes", "memory_used_ratio", "oom",
     "host_bound_fraction", "device_utilization_lead", "device_utilization_lead_points",
-    "device_utilization_lead_share",
+    "device_utilization_lead_share", "zero_stage", "collective_calls_per_micro_batch", "gather_comm_fraction",
 })
 # The batch layout: known from a trial's metrics or from a ds_config plus --stages/--world-size.
 LAYOUT_SIGNALS: frozenset[str] = frozenset({
@@ -45,6 +45,12 @@ HOST_BOUND_NOT_AVAILABLE = (
 FRAGMENTATION_NOT_AVAILABLE = (
     "not available: no CUDA caching allocator in this input (CPU run), never reported as 0"
 )
+
+PER_CALL_NOT_AVAILABLE = (
+    "not available on a pipeline engine: its gradient reduction is one timed instruction (ReduceGrads), "
+    "not one call each"
+)
+OLD_CSV = "not in this input (a CSV written before the column existed)"
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,6 +149,9 @@ def from_summary(s: TrialSummary, *, oom: bool | None = None,
                               if s.memory_peak_bytes is not None and device_memory_bytes else None),
         "oom": None if oom is None else float(oom),
         "host_bound_fraction": s.host_bound_fraction,
+        "zero_stage": None if s.zero_stage is None else float(s.zero_stage),
+        "collective_calls_per_micro_batch": s.collective_calls_per_micro_batch,
+        "gather_comm_fraction": s.gather_comm_fraction,
     }
     values.update(layout_values(s.micro_batch_size, s.gradient_accumulation_steps,
                                 s.pipeline_stages, s.data_parallel_size, s.reduce_bucket_size))
@@ -174,6 +183,9 @@ def from_summary(s: TrialSummary, *, oom: bool | None = None,
         "comm_compute_ratio": "no compute time recorded",
         "transfer_compute_ratio": "no compute time recorded",
         "reduce_bucket_size": "not set, or has no effect in this run",
+        "zero_stage": "not recorded (an engine without ZeRO, or a CSV written before the column existed)",
+        "collective_calls_per_micro_batch": PER_CALL_NOT_AVAILABLE if s.pipeline_stages > 1 else OLD_CSV,
+        "gather_comm_fraction": PER_CALL_NOT_AVAILABLE if s.pipeline_stages > 1 else OLD_CSV,
     }
     if s.pipeline_stages < 2:
         unavailable.update(dict.fromkeys(PIPELINE_ONLY, NOT_A_PIPELINE))

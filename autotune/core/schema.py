@@ -105,6 +105,17 @@ class StepRecord:
     transfer that instance had with no wait (autotune/rank/p2p_split.py). None before schema 2."""
     schema_version: int = SCHEMA_VERSION
     """The definitions this row was written with (SCHEMA_VERSION); empty before schema 2 (read as 1)."""
+    zero_stage: int | None = None
+    """The engine's ZeRO stage (0-3, `engine.zero_optimization_stage()`). None where the engine
+    has none (torch.distributed.pipelining) and in CSVs written before the column existed."""
+    collective_calls: int | None = None
+    """A plain engine's collective calls in the step (every all-reduce, reduce-scatter and
+    all-gather of ZeRO's reducer and gatherer, each counted once, autotune/rank/collectives.py).
+    None on a pipeline engine, whose reduction is one timed instruction, and in older CSVs."""
+    gather_seconds: float | None = None
+    """The transfer part (the split of autotune/rank/p2p_split.py, already inside comm_seconds)
+    of the step's all-gathers on a plain engine: ZeRO-3's parameter gathers, and ZeRO-1/2's
+    gather of the updated parameters after the optimizer step. None where collective_calls is."""
 
 
 CSV_COLUMNS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(StepRecord))

@@ -211,6 +211,14 @@ class TrialSummary:
     startup_seconds: float | None = None
     """The slowest rank's start-up: process start (a warm worker: taking the trial) to its first
     step (autotune/rank/watchdog.py). Sets the next trials' start-up limit (autotune/trials/limits.py)."""
+    zero_stage: int | None = None
+    """The engine's ZeRO stage as the ranks recorded it; None where the CSV has none."""
+    collective_calls_per_micro_batch: float | None = None
+    """A plain engine's collective calls per micro-batch (the worst rank's median per step / GAS):
+    how chatty its gradient reduction is; None on a pipeline engine (`collective_calls`)."""
+    gather_comm_fraction: float | None = None
+    """The all-gathers' share of a plain engine's communication (worst rank, transfer only):
+    ZeRO-3's parameter gathers; None where `gather_seconds` is."""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -233,6 +241,7 @@ SUMMARY_COLUMNS = frozenset({
     "gradient_accumulation_steps", "reduce_bucket_size", "pipeline_stages", "data_parallel_size",
     "seq_length", "memory_peak_bytes", "memory_reserved_bytes", "optimizer_seconds",
     "utilization_from_device", "compute_cpu_seconds", "memory_capacity_bytes", "schema_version",
+    "zero_stage", "collective_calls", "gather_seconds",
 })
 """The columns summarize reads; the others are only validated."""
 
@@ -421,7 +430,27 @@ def _summarize_trial(c: Columns, source: str) -> TrialSummary | None:
                                                 if r.host_bound_fraction is not None]) else None,
         step_seconds_low=iv.low if iv else None, step_seconds_high=iv.high if iv else None,
         step_seconds_rel_half_width=iv.relative_half_width if iv else None,
+        zero_stage=int(z) if (z := _nanmax(m, "zero_stage")) is not None else None,
+        **_collectives(m, rinv, len(ranks), gas),
     )
+
+
+def _collectives(m: Columns, rinv: np.ndarray, ranks: int, gas: int) -> dict[str, float | None]:
+    """Per-kind communication of a plain engine: calls per micro-batch and the gathers' share
+    (worst rank each); None for both where the CSV has no `collective_calls` (a pipeline)."""
+    calls, gathered = m.get("collective_calls"), m.get("gather_seconds")
+    if calls is None or np.isnan(calls).all():
+        return {"collective_calls_per_micro_batch": None, "gather_comm_fraction": None}
+    per_rank = [float(np.median(v[~np.isnan(v)])) for k in range(ranks) if (v := calls[rinv == k]).size
+                and not np.isnan(v).all()]
+    shares = []
+    if gathered is not None and not np.isnan(gathered).all():
+        for k in range(ranks):
+            comm = float(np.nansum(m["comm_seconds"][rinv == k]))
+            if comm > 0:
+                shares.append(float(np.nansum(gathered[rinv == k])) / comm)
+    return {"collective_calls_per_micro_batch": max(per_rank) / max(1, gas) if per_rank else None,
+            "gather_comm_fraction": max(shares) if shares else None}
 
 
 def _nanmin(m: Columns, name: str) -> float | None:

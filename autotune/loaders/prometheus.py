@@ -38,6 +38,9 @@ METRICS = {
     "autotune_bubble_fraction_measured_ratio": "bubble",
     "autotune_bubble_fraction_ideal_ratio": "ideal",
     "autotune_stage_compute_imbalance_ratio": "imbalance",
+    "autotune_zero_stage": "zero",
+    "autotune_collective_calls_per_micro_batch": "calls",
+    "autotune_gather_comm_ratio": "gather",
 }
 Key = tuple[str, str, str]  # rank, stage, device
 
@@ -95,7 +98,10 @@ def _signals(trial: str, s: dict[str, dict[Key, list[float]]]) -> SignalSet:
         values["cross_device_fluctuation"] = statistics.pstdev(means) if len(means) > 1 else None
         per_rank["device_utilization_fluctuation"] = [_rv(k, v) for k, v in fl.items()]
     for kind, sig, reduce in (("comm", "comm_compute_ratio", statistics.fmean),
-                              ("frag", "memory_fragmentation_ratio", statistics.median)):
+                              ("frag", "memory_fragmentation_ratio", statistics.median),
+                              ("zero", "zero_stage", max),
+                              ("calls", "collective_calls_per_micro_batch", statistics.median),
+                              ("gather", "gather_comm_fraction", statistics.fmean)):
         if kind in s:
             by_rank = {k: reduce(v) for k, v in s[kind].items()}
             values[sig] = max(by_rank.values())

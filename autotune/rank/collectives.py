@@ -37,6 +37,21 @@ COLLECTIVES = ("all_reduce", "all_reduce_coalesced", "reduce", "reduce_scatter",
 are not the ZeRO reducer's and stay untimed."""
 
 
+GATHERS = frozenset({"all_gather", "all_gather_into_tensor", "all_gather_coalesced"})
+"""The all-gathers: ZeRO-3 gathers its parameters with them, ZeRO-1/2 the updated parameters."""
+
+
+def collective_calls(intervals: dict[str, list[float]]) -> int:
+    """The collective calls of one step's intervals (each `collective:` instance once)."""
+    return sum(len(v) for k, v in intervals.items() if k.startswith(COLLECTIVE_PREFIX))
+
+
+def gathers(intervals: dict[str, list[float]]) -> dict[str, list[float]]:
+    """The all-gather kinds of one step's intervals."""
+    return {k: v for k, v in intervals.items()
+            if k.startswith(COLLECTIVE_PREFIX) and k[len(COLLECTIVE_PREFIX):].partition(":")[0] in GATHERS}
+
+
 def collective_kind(op: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
     """`collective:<op>:<elements>`: one kind per collective and message size."""
     return f"{COLLECTIVE_PREFIX}{op}:{_elements(args, kwargs)}"

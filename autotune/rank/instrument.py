@@ -29,7 +29,14 @@ from typing import Any, Protocol
 from autotune.core.dsconfig import reduce_bucket_acts
 from autotune.core.schema import StepRecord
 from autotune.core.summary import busy_fraction
-from autotune.rank.collectives import COLLECTIVE_PREFIX, TimedWork, collective_kind
+from autotune.rank.collectives import (
+    COLLECTIVE_PREFIX,
+    GATHERS,
+    TimedWork,
+    collective_calls,
+    collective_kind,
+    gathers,
+)
 from autotune.rank.engine_face import (
     COLLECTIVE,
     COMM,
@@ -45,6 +52,8 @@ from autotune.rank.step_boundary import has_train_batch, plain_steps
 from autotune.rank.timing import CPU_SUFFIX, IntervalTimer, make_timer
 
 P2P_CATEGORIES = frozenset(p2p_category(name) for name in P2P_INSTRUCTIONS)
+GATHER_WAIT = "comm:gather-wait"
+"""The waits of async all-gathers: communication, counted in `gather_seconds` too."""
 INSIDE = "inside:"
 """`inside:<category>`: the seconds of the collectives run inside an interval of that category
 (a plain engine's backward and step), taken out of it at the step's end."""
@@ -177,18 +186,22 @@ class PipelineProbe:
             finally:
                 self._in_collective = False
                 timer.end(token, collective_kind(op, args, kwargs), inside)
-            return TimedWork(out, self._timed_wait) if out is not None and hasattr(out, "wait") else out
+            if out is None or not hasattr(out, "wait"):
+                return out
+            category = GATHER_WAIT if op in GATHERS else COMM
+            return TimedWork(out, lambda wait: self._timed_wait(wait, category))
 
         return timed
 
-    def _timed_wait(self, wait: Callable[[], Any]) -> Any:
-        """An async collective's wait: the rest of its transfer, which the rank waited for."""
+    def _timed_wait(self, wait: Callable[[], Any], category: str = COMM) -> Any:
+        """An async collective's wait: the rest of its transfer, which the rank waited for (an
+        all-gather's apart, `GATHER_WAIT`: ZeRO-3 starts its parameter gathers async)."""
         inside = INSIDE + self._open[-1] if self._open else None
         token = self.timer.begin()
         try:
             return wait()
         finally:
-            self.timer.end(token, COMM, inside)
+            self.timer.end(token, category, inside)
 
     # -- one step -----------------------------------------------------------
     def _measured_step(self, inner: Callable, *args: Any, **kwargs: Any) -> Any:
@@ -228,8 +241,11 @@ class PipelineProbe:
         # a plain engine's collectives run inside its backward and step: out of their compute
         optimizer = parts.get(OPTIMIZER, 0.0) - parts.get(INSIDE + OPTIMIZER, 0.0)
         compute = parts.get(COMPUTE, 0.0) - parts.get(INSIDE + COMPUTE, 0.0) + optimizer
-        transfer, wait = self.transfers.split(self.timer.intervals())
-        reduced, waited = self.collectives.split(self.timer.intervals())
+        intervals = self.timer.intervals()
+        transfer, wait = self.transfers.split(intervals)
+        reduced, waited = self.collectives.split(intervals)
+        plain = layout.topology is None  # its collectives are timed one call each
+        gathered = self.collectives.split(gathers(intervals))[0] + parts.get(GATHER_WAIT, 0.0) if plain else None
         work = parts.get(COMPUTE + CPU_SUFFIX)  # CPU only: the forward/backward work in thread CPU time
         if work is not None:
             work -= parts.get(INSIDE + COMPUTE + CPU_SUFFIX, 0.0)
@@ -250,7 +266,7 @@ class PipelineProbe:
             step=self.step, warmup=int(self.step < self.warmup_steps),
             step_seconds=step_seconds, samples_per_second=samples_per_second,
             tokens_per_second=samples_per_second * self.seq_length if self.seq_length else None,
-            compute_seconds=compute, comm_seconds=parts.get(COMM, 0.0) + transfer + reduced,
+            compute_seconds=compute, comm_seconds=parts.get(COMM, 0.0) + parts.get(GATHER_WAIT, 0.0) + transfer + reduced,
             wait_seconds=wait + waited, data_seconds=parts.get(DATA, 0.0),
             device_utilization=util,
             memory_allocated_bytes=mem.get("allocated_bytes"),
@@ -268,6 +284,8 @@ class PipelineProbe:
             # a job with no pipeline has no point-to-point: absent, not 0 (shared/docs/design.md)
             p2p_seconds=transfer + wait if layout.topology is not None else None,
             p2p_fastest_seconds=self.transfers.fastest_seconds(),
+            zero_stage=_zero_stage(eng), collective_calls=collective_calls(intervals) if plain else None,
+            gather_seconds=gathered,
         )
 
 
@@ -286,6 +304,11 @@ def _loss_scale(engine: Any) -> float | None:
         return None
     scale = getattr(getattr(engine, "optimizer", None), "cur_scale", None)
     return float(scale) if scale is not None and math.isfinite(float(scale)) else None
+
+
+def _zero_stage(engine: Any) -> int | None:
+    stage = getattr(engine, "zero_optimization_stage", None)
+    return int(stage()) if callable(stage) else None
 
 
 def _acting_bucket(engine: Any, dp: int, *, pipeline: bool) -> int | None:
