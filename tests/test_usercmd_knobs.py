@@ -136,7 +136,7 @@ def test_sweep_keeps_the_commands_value_when_nothing_beats_it_or_the_trials_fail
 def test_resume_rebuilds_the_sweep_from_the_finished_trials(tmp_path):
     sweep, runner = _sweep(tmp_path, "partition_method:parameters,uniform,type:Block=--partition {value}")
     row = lambda n, src, sps: SimpleNamespace(number=n, source=src, status="ok", samples_per_second=sps,  # noqa: E731
-                                              config=CFG)
+                                              config=CFG, summary=None)
     sweep.replay([row(0, "baseline", 100.0), row(1, "knob:partition_method=uniform", 120.0)],
                  redo=[row(2, "knob:partition_method=type:Block", None)])
     assert sweep.next_proposal() is None  # uniform measured; type:Block is re-run as itself

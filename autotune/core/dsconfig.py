@@ -349,6 +349,13 @@ ZERO_SETTINGS = (ZERO_STAGE_KEY, "zero_optimization.overlap_comm", "zero_optimiz
 """The ZeRO settings a plain engine's sweep sets per trial, in the order it sweeps them."""
 
 
+def mixed_precision(config: DsConfig) -> bool:
+    """fp16 or bf16 enabled (DeepSpeed's `fp16.enabled` / `bf16.enabled`; HF's "auto" counts as
+    not known, so not enabled): the training DeepSpeed's memory estimators assume."""
+    return any(isinstance(section := config.raw.get(key), dict) and section.get("enabled") is True
+               for key in ("fp16", "bf16"))
+
+
 def effective_zero_settings(base: DsConfig) -> dict[str, str]:
     """What DeepSpeed 0.19.8 runs for each of ZERO_SETTINGS with this config, as knob text: the
     config's value, else DeepSpeed's default (zero/config.py: overlap_comm only at stage 3,

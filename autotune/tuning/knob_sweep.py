@@ -28,6 +28,7 @@ from autotune.core.fileio import write_atomic
 from autotune.core.knob import Knob
 from autotune.core.measurements import best_of
 from autotune.core.noise import NOISE_MARGIN, beats
+from autotune.core.summary import TrialSummary
 from autotune.core.trial_kind import BASELINE, Step, TrialKind
 from autotune.core.trial_kind import KNOB_PREFIX as SOURCE_PREFIX
 from autotune.study.store import TrialRow
@@ -44,8 +45,13 @@ class KnobSweep:
     def __init__(self, knobs: list[Knob], own: Mapping[str, str | None], study_root: Path,
                  note: Callable[[str], None] = print,
                  inert: Callable[[str, Mapping[str, str | None]], str | None] | None = None,
-                 again: str | None = None) -> None:
+                 again: str | None = None,
+                 refuse: Callable[[str, str, TrialSummary | None], str | None] | None = None) -> None:
         self.knobs, self.root, self.note = knobs, Path(study_root), note
+        self.refuse = refuse
+        """Why a candidate value is not run, from the baseline's trial (None: it is run): a ZeRO
+        stage predicted not to fit the device (autotune/model/zero_memory.py)."""
+        self.refused: dict[str, dict[str, str]] = {}
         self.again = again
         """The knob tried once more at the best trial's layout before the search ends (None: none)."""
         self.again_reference: float | None = None
@@ -81,16 +87,17 @@ class KnobSweep:
         request.knob_values = {k: v for k, v in values.items() if v is not None}
 
     def after(self, end: TrialEnd) -> None:
-        self._after(end.proposal, end.ok, end.samples_per_second)
+        self._after(end.proposal, end.ok, end.samples_per_second, end.summary)
 
-    def _after(self, proposal: Proposal, ok: bool, samples_per_second: float | None) -> None:
+    def _after(self, proposal: Proposal, ok: bool, samples_per_second: float | None,
+               summary: TrialSummary | None = None) -> None:
         self.running = None
         kind = proposal.kind
         if kind.is_baseline:
             if ok:
                 self.baseline_key = proposal.config.key()
                 self.baseline_sps = self.current_sps = float(samples_per_second or 0.0)
-                self._plan(proposal)
+                self._plan(proposal, summary)
         elif kind.at_best and (setting := kind.knob_setting) is not None:
             self._decide_at_best(*setting, float(samples_per_second) if ok and samples_per_second else None)
         elif (setting := kind.knob_setting) is not None:
@@ -138,7 +145,8 @@ class KnobSweep:
         base = next((t for t in finished if t.number == 0), None)
         if base is None or base.status != "ok":
             return
-        self._after(Proposal(config=base.config, source=BASELINE), True, base.samples_per_second)
+        self._after(Proposal(config=base.config, source=BASELINE), True, base.samples_per_second,
+                    TrialSummary.from_dict(base.summary) if base.summary else None)
         for t in sorted(finished, key=lambda t: t.number):
             kind = TrialKind.of(t.source)
             if kind.at_best:  # its reference: the best as it stood when it was queued
@@ -155,13 +163,17 @@ class KnobSweep:
         self.queue = [p for p in self.queue if p.source not in pending]
 
     # -- the decision -----------------------------------------------------------------------------
-    def _plan(self, baseline: Proposal) -> None:
+    def _plan(self, baseline: Proposal, summary: TrialSummary | None = None) -> None:
         if self.planned:
             return
         self.planned = True
         for k in self.knobs:
             for v in k.values:
-                if v != self.kept[k.name]:
+                why = self.refuse(k.name, v, summary) if self.refuse is not None and v != self.kept[k.name] else None
+                if why:
+                    self.refused.setdefault(k.name, {})[v] = why
+                    self.note(f"      knob {k.name}: {v} not tried: {why}")
+                elif v != self.kept[k.name]:
                     self.queue.append(Proposal(
                         config=baseline.config, source=TrialKind.knob(k.name, v),
                         reason=f"knob {k.name}: {' '.join(k.tokens(v))} at the baseline's micro-batch and GAS"))
@@ -215,6 +227,8 @@ class KnobSweep:
     def _write(self) -> None:
         info: dict[str, object] = {"baseline_samples_per_second": self.baseline_sps, "kept": self.kept,
                                    "measured": self.results, "pending": [p.source for p in self.queue]}
+        if self.refused:
+            info["not_tried"] = self.refused
         if self.again is not None:
             info["at_best"] = {"knob": self.again, "reference_samples_per_second": self.again_reference,
                                "measured": self.again_result}

@@ -183,7 +183,7 @@ class UserJob:
             from autotune.engines.deepspeed_zero.engine import zero_stages, zero_sweep
 
             steps.append(zero_sweep(base, root, note, then=knobs, then_own=own,
-                                    stages=zero_stages(opts.zero_stages)))
+                                    stages=zero_stages(opts.zero_stages), parameters=space.model_parameters))
         elif knobs:
             steps.append(KnobSweep(knobs, own, root, note))
         return steps

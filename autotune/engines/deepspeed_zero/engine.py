@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from autotune.core.dsconfig import ZERO_SETTINGS, ZERO_STAGE_KEY, effective_zero_settings
+from autotune.core.dsconfig import ZERO_SETTINGS, ZERO_STAGE_KEY, effective_zero_settings, mixed_precision
 from autotune.core.errors import UserError
 from autotune.core.knob import Knob
 from autotune.core.options import WorkloadOptions
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
     from autotune.core.dsconfig import DsConfig
     from autotune.core.options import RunOptions
     from autotune.core.space import SearchSpace
+    from autotune.core.summary import TrialSummary
     from autotune.trials.multinode import Cluster
     from autotune.tuning.knob_sweep import KnobSweep
     from autotune.tuning.steps import SettingStep
@@ -88,7 +90,7 @@ class DeepSpeedZero:
     def steps(self, opts: RunOptions, base: DsConfig, space: SearchSpace, *, root: Path,
               note: Callable[[str], None], noise: float, cluster: Cluster | None) -> list[SettingStep]:
         # the setting steps of the pipeline engines are PipelineModule's (checkpointing, partitions)
-        return [zero_sweep(base, root, note, stages=zero_stages(opts.zero_stages))]
+        return [zero_sweep(base, root, note, stages=zero_stages(opts.zero_stages), parameters=space.model_parameters)]
 
     def describe(self, opts: RunOptions) -> str:
         return f"; engine: {self.title}"
@@ -105,19 +107,38 @@ def zero_stages(text: str) -> tuple[str, ...]:
 
 def zero_sweep(base: DsConfig, root: Path, note: Callable[[str], None], *, then: Sequence[Knob] = (),
                then_own: Mapping[str, str | None] | None = None,
-               stages: Sequence[str] = ("0", "1", "2", "3")) -> KnobSweep:
+               stages: Sequence[str] = ("0", "1", "2", "3"), parameters: int | None = None) -> KnobSweep:
     """The ZeRO step: the stage (0-3), then `overlap_comm` and `contiguous_gradients` at the stage
     kept, one trial per value at the baseline's micro-batch and GAS; a value is kept when it beats
     the one in force by more than the noise between launches (autotune/tuning/knob_sweep.py). A
     value that runs out of memory is a failed trial of its own, and the sweep goes on. `then`: the
     user's own knobs (`--knob`, with their `then_own` values), swept after these in the same
-    sweep (one `STUDY/knobs.json`)."""
+    sweep (one `STUDY/knobs.json`). On a device whose size the baseline measured, with mixed
+    precision and the model's `parameters` known, a stage predicted not to fit is not tried
+    (`stage_too_big`)."""
     from autotune.tuning.knob_sweep import KnobSweep
 
     own = effective_zero_settings(base)  # what the baseline runs: the config's, else DeepSpeed's defaults
     knobs = [Knob(name=STAGE_KNOB, flag=STAGE_KNOB, joined=True, values=tuple(stages)),
              *(Knob(name=k, flag=k, joined=True, values=("false", "true")) for k in ZERO_KNOBS[1:]), *then]
-    return KnobSweep(knobs, {**own, **(then_own or {})}, root, note, inert=_inert, again=STAGE_KNOB)
+    refuse = partial(stage_too_big, parameters=parameters, mixed=mixed_precision(base)) if parameters else None
+    return KnobSweep(knobs, {**own, **(then_own or {})}, root, note, inert=_inert, again=STAGE_KNOB, refuse=refuse)
+
+
+def stage_too_big(name: str, value: str, baseline: TrialSummary | None, *, parameters: int, mixed: bool) -> str | None:
+    """Why a ZeRO stage is not tried: its predicted peak (the baseline's measured peak moved by the
+    model states' difference, autotune/model/zero_memory.py) is over the device. Nothing is
+    predicted without a device size (a CPU), a measured peak or mixed precision (the model is
+    DeepSpeed's estimators', which assume fp16/bf16)."""
+    from autotune.model.zero_memory import stage_fit
+
+    if (name != STAGE_KNOB or baseline is None or not mixed or baseline.memory_capacity_bytes is None
+            or baseline.memory_peak_bytes is None or baseline.zero_stage is None):
+        return None
+    fit = stage_fit(int(value), measured_peak_bytes=baseline.memory_peak_bytes, measured_stage=baseline.zero_stage,
+                    capacity_bytes=baseline.memory_capacity_bytes, params=parameters,
+                    dp=baseline.data_parallel_size)
+    return None if fit.fits else fit.why_not()
 
 
 def _inert(name: str, kept: Mapping[str, str | None]) -> str | None:
