@@ -40,7 +40,6 @@ from autotune.trials.builtin import BuiltinRunner, builtin_runner
 from autotune.trials.contract import TrialRequest
 from autotune.tuning.starting_point import baseline_config, build_space, load_base_config
 
-
 ZERO_CONFIG = Path(__file__).resolve().parent.parent / "examples" / "ds_zero2.json"
 """The ZeRO engine's starting config: ZeRO-2, the example a user's plain-engine script ships."""
 STAGE = "zero_optimization.stage"

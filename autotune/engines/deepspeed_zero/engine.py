@@ -21,7 +21,12 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from autotune.core.dsconfig import ZERO_SETTINGS, ZERO_STAGE_KEY, effective_zero_settings, mixed_precision
+from autotune.core.dsconfig import (
+    ZERO_SETTINGS,
+    ZERO_STAGE_KEY,
+    effective_zero_settings,
+    mixed_precision,
+)
 from autotune.core.errors import UserError
 from autotune.core.knob import Knob
 from autotune.core.options import WorkloadOptions
