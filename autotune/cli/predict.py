@@ -60,7 +60,7 @@ def plan_command(study: str, gpus: int, gpus_per_node: int, hardware: str | None
     and the layouts that do not fit with the stage that overflows (docs/model.md)."""
     from autotune.model.hardware import load_hardware
     from autotune.model.plan import Cluster, plan
-    from autotune.model.render import plan_dict, plan_text, to_json
+    from autotune.model.render import leave_one_out, plan_dict, plan_text, to_json
     from autotune.model.study_model import model_of_study
 
     hw = load_hardware(hardware, device_memory=device_memory) if hardware else None
@@ -72,4 +72,5 @@ def plan_command(study: str, gpus: int, gpus_per_node: int, hardware: str | None
     batch = global_batch or max(model.observations, key=lambda o: o.samples_per_second).global_batch
     result = plan(model, Cluster(gpus=gpus, gpus_per_node=gpus_per_node, hardware=hw, global_batch=batch,
                                  device_memory=device_memory), stages=stages, dp=dp)
-    click.echo(to_json(plan_dict(result)) if fmt == "json" else plan_text(result, top))
+    loo = leave_one_out(model)  # an interval on the study's own device; onto a preset, why none
+    click.echo(to_json(plan_dict(result, loo)) if fmt == "json" else plan_text(result, top, loo))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from autotune.core.space import fmt_bucket
@@ -12,17 +13,58 @@ from autotune.model.step_model import Calibration, Prediction
 from autotune.model.study_model import StudyModel
 
 if TYPE_CHECKING:
+    from autotune.model.interval import Interval
     from autotune.model.observations import Observation
+    from autotune.model.validation import HeldOut
 
 TERM_ORDER = ("compute", "recompute", "transfer", "wait", "reduce", "optimizer", "engine")
 
 
-def leave_one_out(model: StudyModel) -> tuple[float | None, int]:
-    """The model's step-time error on the study's trials it had not seen, and over how many."""
-    from autotune.model.validation import held_out, mean_abs_error
+@dataclass(frozen=True, slots=True)
+class LeaveOneOut:
+    """The model's errors on the study's trials it had not seen (autotune/model/validation.py)."""
 
-    points = held_out(model)
-    return mean_abs_error(points), len(points)
+    points: list[HeldOut]
+    trials: int
+    """The study's trials the model was calibrated on."""
+
+    @property
+    def mape(self) -> float | None:
+        from autotune.model.validation import mean_abs_error
+
+        return mean_abs_error(self.points)
+
+    def interval(self, samples_per_second: float) -> Interval | None:
+        from autotune.model.interval import interval
+
+        return interval(samples_per_second, self.points)
+
+    def why_no_interval(self) -> str:
+        from autotune.model.interval import why_none
+
+        return why_none(self.trials, len(self.points))
+
+
+def leave_one_out(model: StudyModel) -> LeaveOneOut:
+    """The model's step-time errors on the study's trials it had not seen."""
+    from autotune.model.validation import held_out
+
+    return LeaveOneOut(points=held_out(model), trials=len(model.observations))
+
+
+def interval_text(loo: LeaveOneOut, samples_per_second: float) -> str:
+    iv = loo.interval(samples_per_second)
+    if iv is None:
+        return loo.why_no_interval()
+    return (f"{iv.level:.0%} interval {iv.low:,.1f}-{iv.high:,.1f} (one launch; from the errors on "
+            f"{iv.from_trials} held-out trials)")
+
+
+def interval_dict(loo: LeaveOneOut, samples_per_second: float) -> dict[str, object] | None:
+    iv = loo.interval(samples_per_second)
+    if iv is None:
+        return None
+    return {"level": iv.level, "low": iv.low, "high": iv.high, "from_trials": iv.from_trials}
 
 
 def _layout_text(p: Prediction) -> str:
@@ -47,10 +89,11 @@ def measured_match(model: StudyModel, p: Prediction) -> Observation | None:
     return None
 
 
-def prediction_text(model: StudyModel, p: Prediction, loo: tuple[float | None, int]) -> str:
+def prediction_text(model: StudyModel, p: Prediction, loo: LeaveOneOut) -> str:
     cal = model.calibration
     lines = [f"predicted: {_layout_text(p)}",
-             f"  samples/s   {p.samples_per_second:,.1f}  (step {p.step_seconds * 1000:.1f} ms)"]
+             f"  samples/s   {p.samples_per_second:,.1f}  (step {p.step_seconds * 1000:.1f} ms)",
+             f"              {interval_text(loo, p.samples_per_second)}"]
     seen = measured_match(model, p)
     if seen is not None:
         lines.append(f"  measured    {seen.samples_per_second:,.1f} in trial {seen.trial} "
@@ -70,18 +113,21 @@ def prediction_text(model: StudyModel, p: Prediction, loo: tuple[float | None, i
         lines.append("  extrapolated: " + "; ".join(p.extrapolated))
     for n in p.notes:
         lines.append(f"  note: {n}")
-    err, count = loo
+    err, count = loo.mape, len(loo.points)
     lines.append(f"  calibrated on {len(cal.trials)} trial(s) of {model.root}; "
                  + (f"error on trials it had not seen (leave-one-out, {count}): {err * 100:.1f} % of the step time"
                     if err is not None else "too few trials for a leave-one-out error (3 needed)"))
     return "\n".join(lines)
 
 
-def prediction_dict(model: StudyModel, p: Prediction, loo: tuple[float | None, int]) -> dict[str, object]:
+def prediction_dict(model: StudyModel, p: Prediction, loo: LeaveOneOut) -> dict[str, object]:
     seen = measured_match(model, p)
-    err, n = loo
+    err, n = loo.mape, len(loo.points)
+    iv = interval_dict(loo, p.samples_per_second)
     return {"layout": dataclasses.asdict(p.layout) | {"parts": p.parts},
-            "samples_per_second": p.samples_per_second, "step_seconds": p.step_seconds,
+            "samples_per_second": p.samples_per_second,
+            "samples_per_second_interval": iv, "interval_missing": None if iv else loo.why_no_interval(),
+            "step_seconds": p.step_seconds,
             "terms_seconds": {k: p.terms.get(k, 0.0) for k in TERM_ORDER},
             "bubble_fraction": p.bubble_fraction,
             "stage_peak_memory_bytes": p.stage_memory_bytes,
@@ -103,13 +149,31 @@ def to_json(obj: object) -> str:
     return json.dumps(obj, indent=2, sort_keys=False)
 
 
-def plan_text(plan: Plan, top: int) -> str:
+PRESET_NO_INTERVAL = ("no interval: a plan onto other hardware is scaled from its preset's figures, "
+                      "which the study's held-out errors do not measure")
+
+
+def plan_intervals(plan: Plan, loo: LeaveOneOut | None) -> tuple[list[Interval | None], str | None]:
+    """Each ranked layout's interval (the study's held-out errors, on the study's own device
+    only), and why there are none."""
+    if loo is None:
+        return [None] * len(plan.ranked), None
+    if plan.cluster.hardware is not None:
+        return [None] * len(plan.ranked), PRESET_NO_INTERVAL
+    ivs = [loo.interval(x.samples_per_second) for x in plan.ranked]
+    return ivs, None if any(ivs) or not ivs else loo.why_no_interval()
+
+
+def plan_text(plan: Plan, top: int, loo: LeaveOneOut | None = None) -> str:
     from autotune.model.plan import reason
 
     c = plan.cluster
     hw = c.hardware.name if c.hardware else "the study's own device"
+    ivs, no_interval = plan_intervals(plan, loo)
     lines = [f"plan: {c.gpus} GPUs ({c.gpus_per_node} per node) of {hw}, global batch {c.global_batch}"]
     lines += [f"  {n}" for n in plan.notes]
+    if no_interval:
+        lines.append(f"  {no_interval}")
     if plan.scaled:
         lines.append("  scaled from the preset: " + "; ".join(plan.scaled))
     best = plan.ranked[0] if plan.ranked else None
@@ -120,7 +184,8 @@ def plan_text(plan: Plan, top: int) -> str:
         lines.append(f"{i:>4}  {f'{lay.stages} x {lay.data_parallel_size}':>11}  {lay.micro_batch_size:>5}  "
                      f"{lay.gradient_accumulation_steps:>4}  {'on' if lay.checkpoint_interval else 'off':>4}  "
                      f"{x.samples_per_second:>11,.1f}  {x.step_seconds * 1000:>9.2f}  "
-                     f"{max(x.stage_memory_bytes) / 2**30:>8.2f}  {x.parts}: {reason(x, best)}")
+                     f"{max(x.stage_memory_bytes) / 2**30:>8.2f}  {x.parts}: {reason(x, best)}"
+                     + (f" ({iv.level:.0%}: {iv.low:,.1f}-{iv.high:,.1f})" if (iv := ivs[i - 1]) else ""))
     if len(plan.ranked) > top:
         lines.append(f"  ... {len(plan.ranked) - top} more layouts fit (--top to list them)")
     if not plan.ranked:
@@ -137,9 +202,15 @@ def plan_text(plan: Plan, top: int) -> str:
     return "\n".join(lines)
 
 
-def plan_dict(plan: Plan) -> dict[str, object]:
+def plan_dict(plan: Plan, loo: LeaveOneOut | None = None) -> dict[str, object]:
+    ivs, no_interval = plan_intervals(plan, loo)
+    by_id = {id(x): iv for x, iv in zip(plan.ranked, ivs, strict=True)}
+
     def one(x: PlannedLayout) -> dict[str, object]:
+        iv = by_id.get(id(x))
         return {"layout": dataclasses.asdict(x.layout) | {"parts": x.parts}, "samples_per_second": x.samples_per_second,
+                "samples_per_second_interval": ({"level": iv.level, "low": iv.low, "high": iv.high,
+                                                 "from_trials": iv.from_trials} if iv else None),
                 "step_seconds": x.step_seconds, "bubble_fraction": x.bubble_fraction,
                 "stage_peak_memory_bytes": x.stage_memory_bytes, "memory_limit_bytes": x.memory_limit_bytes,
                 "terms_seconds": x.terms, "fits": x.fits}
@@ -147,6 +218,7 @@ def plan_dict(plan: Plan) -> dict[str, object]:
     c = plan.cluster
     return {"gpus": c.gpus, "gpus_per_node": c.gpus_per_node, "global_batch": c.global_batch,
             "hardware": (dataclasses.asdict(c.hardware) if c.hardware else None), "notes": plan.notes,
-            "scaled_from_preset": plan.scaled, "ranked": [one(x) for x in plan.ranked],
+            "scaled_from_preset": plan.scaled, "interval_missing": no_interval,
+            "ranked": [one(x) for x in plan.ranked],
             "do_not_fit": [one(x) | {"overflow_stage": x.overflow[0], "overflow_bytes": x.overflow[1]}
                            for x in plan.too_big]}
