@@ -18,8 +18,10 @@ each call in place instead (docs/zero-facts.md).
 Each call is its own kind, `collective:<op>:<elements>`, so the probe's split
 (autotune/rank/p2p_split.py `TransferSplit`) can tell a collective's transfer (its fastest
 instance) from the wait for a slower rank (the rest). A collective started with `async_op=True`
-returns a handle; the time its `wait()` blocks is counted as communication too (kind
-`collective:<op>:wait`), since that is the part of the transfer the rank waited for.
+returns a handle; the time its `wait()` blocks is counted as communication too, since that is
+the part of the transfer the rank waited for (an all-gather's apart as well, in the CSV's
+`gather_seconds`: ZeRO-3 starts its parameter gathers async, autotune/rank/instrument.py).
+The step's calls and its all-gathers' share are columns of their own (docs/metrics.md).
 
 Rank-side: DeepSpeed is imported only when a table is wrapped.
 """

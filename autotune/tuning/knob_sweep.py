@@ -150,15 +150,13 @@ class KnobSweep:
         for t in sorted(finished, key=lambda t: t.number):
             kind = TrialKind.of(t.source)
             if kind.at_best:  # its reference: the best as it stood when it was queued
-                before = best_of([r for r in finished if r.number < t.number])
-                self.again_reference = float(before.samples_per_second) if before is not None else 0.0
+                self.again_reference = _best_before(finished, t.number)
             if kind.step is Step.KNOB:
                 self.queue = [p for p in self.queue if p.source != t.source]
                 self._after(Proposal(config=t.config, source=t.source), t.status == "ok", t.samples_per_second)
         for t in redo:  # queued and interrupted: it runs again as itself, against the best before it
             if TrialKind.of(t.source).at_best:
-                before = best_of([r for r in finished if r.number < t.number])
-                self.again_reference = float(before.samples_per_second) if before is not None else 0.0
+                self.again_reference = _best_before(finished, t.number)
         pending = {t.source for t in redo}
         self.queue = [p for p in self.queue if p.source not in pending]
 
@@ -233,3 +231,9 @@ class KnobSweep:
             info["at_best"] = {"knob": self.again, "reference_samples_per_second": self.again_reference,
                                "measured": self.again_result}
         write_atomic(self.root / RESULT_NAME, json.dumps(info, indent=2) + "\n")
+
+
+def _best_before(finished: Sequence[TrialRow], number: int) -> float:
+    """samples/s of the study's best among the trials before `number` (core/measurements.py)."""
+    before = best_of([r for r in finished if r.number < number])
+    return float(before.samples_per_second) if before is not None else 0.0
