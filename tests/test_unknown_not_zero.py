@@ -44,6 +44,8 @@ UNKNOWN_ON_A_CPU_IMAGE_JOB = {
     "memory_capacity_bytes": "the ranks share the host's memory: no per-device limit",
     "loss_scale": "no fp16",
     "reduce_bucket_size": "acts only with ZeRO-1 and dp > 1 (dp is 1)",
+    "collective_calls": "a pipeline's reduction is one timed instruction, not one call each",
+    "gather_seconds": "a pipeline's reduction is one timed instruction, not one call each",
 }
 """Every column that the image job below cannot know, and why. Every other column must hold a value."""
 LAST_STAGE_ONLY = {"loss"}
@@ -212,6 +214,8 @@ def test_an_image_script_through_autotune_run_writes_no_zero_for_what_it_cannot_
             text = _exposition(record)
             for column in UNKNOWN_ON_A_CPU_IMAGE_JOB:
                 assert _series(text, column) == [], (rank, column)
+            for gauge in ("collective_calls_per_micro_batch", "gather_comm_ratio"):  # their gauges: absent
+                assert _series(text, gauge) == [], (rank, gauge)
             assert _series(text, "samples_per_second")
             assert bool(_series(text, "loss")) == (rank == 1)  # the loss lives on the last stage
     study = Study.open(tmp_path / "st", create=False)
