@@ -41,6 +41,7 @@ from autotune.core.space import TrialConfig
 from autotune.loaders.metrics import read_trial_columns
 from autotune.trials.builtin import builtin_runner
 from autotune.trials.contract import TrialRequest
+from autotune.tuning.knob_sweep import kept_values
 from autotune.tuning.starting_point import load_base_config
 
 QUICK_ARGS = ["--dp", "1", "--steps", "2", "--warmup-steps", "1"]
@@ -84,15 +85,6 @@ def run_study(mode: str, folder: Path, budget: int, extra: list[str]) -> dict:
     return {"mode": mode, "wall": wall, "steps": steps, "trials_wall": trials_wall, "best": best,
             "failed": summary["failed_trials"], "fallbacks": proc.stdout.count("fresh processes"),
             "trials": len(summary["trials"]), "early": proc.stdout.count("stopped early: ")}  # the note, once per trial
-
-
-def kept_knobs(folder: Path) -> dict[str, str]:
-    """The settings a study's knob sweep kept (the ZeRO engine's stage, ...): its picks ran with them."""
-    try:
-        kept = json.loads((folder / "knobs.json").read_text())["kept"]
-    except (OSError, ValueError, KeyError):
-        return {}
-    return {k: v for k, v in kept.items() if v is not None}
 
 
 def config_of(best: dict) -> TrialConfig:
@@ -160,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
                             config_knobs=engine.config_knobs)
     first = {mode: next(x for x in runs if x["mode"] == mode) for mode in modes}
     picks = {mode: config_of(first[mode]["best"]) for mode in modes}
-    knobs = {mode: kept_knobs(out / f"{mode}-1") for mode in modes}
+    knobs = {mode: kept_values(out / f"{mode}-1") for mode in modes}
     again: dict[str, list[float]] = {m: [] for m in modes}
     n = 0
     for _ in range(args.repeats):

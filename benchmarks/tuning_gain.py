@@ -38,6 +38,7 @@ from autotune.core.options import RunOptions
 from autotune.core.space import TrialConfig
 from autotune.trials.builtin import BuiltinRunner, builtin_runner
 from autotune.trials.contract import TrialRequest
+from autotune.tuning.knob_sweep import kept_values
 from autotune.tuning.starting_point import baseline_config, build_space, load_base_config
 
 ZERO_CONFIG = Path(__file__).resolve().parent.parent / "examples" / "ds_zero2.json"
@@ -68,15 +69,6 @@ def sweep_points(space, *, zero: bool) -> list[tuple[TrialConfig, dict[str, str]
                 seen.add(key)
             out.append((cfg, {STAGE: stage}))
     return out
-
-
-def kept_knobs(folder: Path) -> dict[str, str]:
-    """The settings the study's knob sweep kept (the stage, ...): its best ran with them."""
-    try:
-        kept = json.loads((folder / "knobs.json").read_text())["kept"]
-    except (OSError, ValueError, KeyError):
-        return {}
-    return {k: v for k, v in kept.items() if v is not None}
 
 
 def stage_of(knobs: dict[str, str]) -> str | None:
@@ -152,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         sweep.append((sps, cfg, knobs))
         print(f"  {describe(cfg, knobs):52s} {sps:8.1f} samples/s", flush=True)
     sweep_best_sps, sweep_cfg, sweep_knobs = max(sweep, key=lambda t: t[0])
-    tuned_knobs = kept_knobs(out / "tuned") if args.engine == "zero" else {}
+    tuned_knobs = kept_values(out / "tuned") if args.engine == "zero" else {}
 
     baseline = baseline_config(base, opts, space)
     print(f"3/3 re-measuring tuned best, sweep best and baseline, {args.repeats}x each, alternated", flush=True)

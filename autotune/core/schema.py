@@ -113,9 +113,10 @@ class StepRecord:
     all-gather of ZeRO's reducer and gatherer, each counted once, autotune/rank/collectives.py).
     None on a pipeline engine, whose reduction is one timed instruction, and in older CSVs."""
     gather_seconds: float | None = None
-    """The transfer part (the split of autotune/rank/p2p_split.py, already inside comm_seconds)
-    of the step's all-gathers on a plain engine: ZeRO-3's parameter gathers, and ZeRO-1/2's
-    gather of the updated parameters after the optimizer step. None where collective_calls is."""
+    """The step's all-gathers on a plain engine, as counted in comm_seconds: each call's transfer
+    (the split of autotune/rank/p2p_split.py) plus the `wait()` of an async one (ZeRO-3 starts
+    its parameter gathers async); ZeRO-1/2 gather the updated parameters after the optimizer
+    step. None where collective_calls is."""
 
 
 CSV_COLUMNS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(StepRecord))

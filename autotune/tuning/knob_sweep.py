@@ -237,3 +237,13 @@ def _best_before(finished: Sequence[TrialRow], number: int) -> float:
     """samples/s of the study's best among the trials before `number` (core/measurements.py)."""
     before = best_of([r for r in finished if r.number < number])
     return float(before.samples_per_second) if before is not None else 0.0
+
+
+def kept_values(study_root: Path) -> dict[str, str]:
+    """The values a finished study's sweep kept (`STUDY/knobs.json`; the ZeRO stage, ...): what its
+    best trial ran with; {} where the study has no sweep."""
+    try:
+        kept = json.loads((Path(study_root) / RESULT_NAME).read_text())["kept"]
+    except (OSError, ValueError, KeyError):
+        return {}
+    return {k: v for k, v in kept.items() if v is not None}
