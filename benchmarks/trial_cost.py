@@ -7,6 +7,7 @@ per trial), and picks a configuration as good as the fresh run's.
     .venv/bin/python benchmarks/trial_cost.py [--budget 20] [--rounds 1] [--repeats 3] [--out DIR]
     .venv/bin/python benchmarks/trial_cost.py --quick    # CI smoke run: 2 ranks, budget 2
     .venv/bin/python benchmarks/trial_cost.py --engine zero --budget 8   # issue 42: the ZeRO engine
+    .venv/bin/python benchmarks/trial_cost.py --modes no-layer-costs now --budget 8 --rounds 2 --repeats 1
 
 `--engine zero` runs the built-in decoder as a plain DeepSpeedEngine on 2 data-parallel ranks
 (its ZeRO sweep among the trials); the picks are re-measured with the ZeRO settings each study
@@ -50,10 +51,13 @@ MODE_ARGS = {
     "fresh": ["--workers", "fresh"],
     "warm": ["--workers", "warm", "--fixed-steps", "--full-budget"],
     "now": [],
+    "no-layer-costs": ["--no-layer-costs"],
 }
 """`before`: how autotune ran before issue 11 (a fresh launch per trial, a fixed step count,
 every trial of the budget); `now`: today's defaults (warm workers, adaptive trial length with
-early stop, the budget as a cap). `fresh` and `warm` isolate one change each."""
+early stop, the budget as a cap, the baseline's layer costs). `fresh` and `warm` isolate one
+change each; `no-layer-costs` is `now` without the baseline's layer-cost block (issue 44: what
+that block costs a study, `--modes no-layer-costs now`)."""
 MODES = ("before", "now")
 
 

@@ -8,6 +8,7 @@ run with --balance-stages runs the balanced partition as a trial.
 
 from __future__ import annotations
 
+import csv
 import json
 import statistics
 
@@ -19,6 +20,7 @@ from shared_studies import USER_PARTS
 from autotune.core.errors import InputFileError
 from autotune.core.partition import balanced_parts, stage_times
 from autotune.rank.layer_costs import COLUMNS, read_layer_costs, read_trial_layer_costs, rows_to_csv
+from autotune.rank.wiring import LAYER_COST_STEPS
 from autotune.rank.workload.presets import get_preset
 
 FACTOR = 20
@@ -81,6 +83,12 @@ def test_injected_slow_layer_is_named_and_moved(tmp_path):
     assert lc.parameters[SLOW_LAYER] == 2 * h + 4 * h * h + 3 * h * f
     assert all(lc.activation_bytes[i] > 0 for i in decoders)
     assert all(m > 0 for m in lc.stage_peak_memory_bytes) and lc.peak_memory_kind == "process_max_rss"
+    # measured in a block after the measured steps, outside every figure: the metrics CSVs hold the
+    # warm-up and the 4 measured steps only, and the costs are medians over the block's steps
+    for rank in (0, 1):
+        rows = list(csv.DictReader((tmp_path / f"metrics-rank{rank}.csv").open()))
+        assert [int(r["warmup"]) for r in rows] == [1, 0, 0, 0, 0]
+    assert {r["steps"] for f in files for r in csv.DictReader(f.open())} == {str(LAYER_COST_STEPS)}
 
 
 @pytest.mark.slow

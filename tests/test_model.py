@@ -2,7 +2,7 @@
 its fits, and `autotune predict` / `autotune plan` on the shared reference studies.
 
 The studies are the session's shared ones (tests/shared_studies.py): the built-in workload
-without layer costs (2 stages x 2 dp) and the user's script with layer costs (2 stages x 1 dp);
+with layer costs in its baseline only (2 stages x 2 dp) and the user's script with layer costs in every trial (2 stages x 1 dp);
 no test here runs a trial of its own. How well the model predicts configurations no study ran
 is measured by benchmarks/model_accuracy.py (real trials), not asserted here.
 """
@@ -131,21 +131,42 @@ def _one_line_error(proc, *words: str) -> None:
 
 
 def test_predict_the_builtin_study_matches_its_own_trials(builtin_study, tmp_path):
-    """Without layer costs the model predicts the study's own layout: each trial it ran is
-    predicted within a quarter of its measured samples/s, and the JSON says what it measured."""
+    """The default study measured its layers once, in its baseline (no --layer-costs): the model
+    predicts the study's own layout, each trial within a quarter of its measured samples/s, and
+    from those costs other stage counts and a cluster's plan, with no run of its own."""
     study = builtin_study.study
+    hooked = {f.parent.name for f in study.glob("trial-*/layer-costs-rank*.csv")}
+    assert hooked == {"trial-000"} and len(list(study.glob("trial-*/metrics-rank0.csv"))) > 1
     proc = _cli("predict", str(study), "--format", "json", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     assert out["measured"] is not None
     assert abs(out["samples_per_second"] / out["measured"]["samples_per_second"] - 1) < 0.25
-    assert out["calibration"]["layer_costs"] is False and out["stage_peak_memory_bytes"] is None
+    assert out["calibration"]["layer_costs"] is True and out["stage_peak_memory_bytes"] is not None
     assert sum(out["terms_seconds"].values()) == pytest.approx(out["step_seconds"], rel=0.02)
-    assert any("no layer costs" in n for n in out["notes"])
+    assert not any("no layer costs" in n for n in out["notes"])
     text = _cli("predict", str(study), "--micro", "64", cwd=tmp_path)
     assert text.returncode == 0 and "extrapolated: micro-batch 64 is" in text.stdout
-    _one_line_error(_cli("predict", str(study), "--stages", "4", cwd=tmp_path), "--layer-costs")
-    _one_line_error(_cli("plan", str(study), "--gpus", "8", "--hardware", "h100", cwd=tmp_path), "--layer-costs")
+    four = json.loads(_cli("predict", str(study), "--stages", "4", "--dp", "1", "--format", "json", cwd=tmp_path).stdout)
+    assert len(four["layout"]["parts"]) == 5
+    plan = _cli("plan", str(study), "--gpus", "8", "--hardware", "h100", "--format", "json", cwd=tmp_path)
+    assert plan.returncode == 0, plan.stderr
+    assert json.loads(plan.stdout)["ranked"]
+
+
+def test_a_study_without_layer_costs_says_how_to_get_them(builtin_study, tmp_path):
+    """A study run with --no-layer-costs (here: the default study's costs taken away) predicts its
+    own layout with the forward taken as a third, and refuses what needs the layers, in one line."""
+    from shared_studies import copy_study
+
+    study = copy_study(builtin_study, tmp_path)
+    for f in study.glob("trial-*/layer-costs-rank*.csv"):
+        f.unlink()
+    out = json.loads(_cli("predict", str(study), "--format", "json", cwd=tmp_path).stdout)
+    assert out["calibration"]["layer_costs"] is False and out["stage_peak_memory_bytes"] is None
+    assert any("no layer costs" in n and "--no-layer-costs" in n for n in out["notes"])
+    _one_line_error(_cli("predict", str(study), "--stages", "4", cwd=tmp_path), "its baseline", "--no-layer-costs")
+    _one_line_error(_cli("plan", str(study), "--gpus", "8", "--hardware", "h100", cwd=tmp_path), "its baseline")
 
 
 def test_predict_other_partitions_and_stages_from_layer_costs(usercmd_study, tmp_path):
@@ -205,10 +226,29 @@ def test_a_study_with_nothing_to_calibrate_from_is_refused(tmp_path):
         return sorted(p.name for p in empty.iterdir() if not p.name.endswith(("-wal", "-shm")))
 
     before = files()
-    _one_line_error(_cli("predict", str(empty), cwd=tmp_path), "no finished trial", "--layer-costs")
+    _one_line_error(_cli("predict", str(empty), cwd=tmp_path), "no finished trial", "--budget 3")
     assert files() == before  # nothing written
     _one_line_error(_cli("predict", str(tmp_path / "nowhere"), cwd=tmp_path), "not an autotune study")
     _one_line_error(_cli("plan", str(empty), "--gpus", "8", "--hardware", "h100", cwd=tmp_path), "no finished trial")
+
+
+def test_plan_on_a_study_whose_trials_all_failed_says_which_run_gives_one(fault_study, tmp_path):
+    """The shared fault study (tests/shared_studies.py: a fault in most trials) without its
+    successful ones: every trial left failed for real, and `plan` and `predict` say in one line what
+    run gives a trial to calibrate from, writing nothing."""
+    import sqlite3
+
+    from shared_studies import copy_study
+
+    study = copy_study(fault_study, tmp_path)
+    with sqlite3.connect(study / "study.db") as db:
+        assert db.execute("DELETE FROM trials WHERE status = 'ok'").rowcount >= 1
+        assert db.execute("SELECT COUNT(*) FROM trials").fetchone()[0] >= 3
+    before = sorted(p.name for p in study.rglob("*") if not p.name.endswith(("-wal", "-shm")))
+    _one_line_error(_cli("plan", str(study), "--gpus", "8", "--hardware", "h100", cwd=tmp_path),
+                    "no finished trial", "`autotune run --study")
+    _one_line_error(_cli("predict", str(study), cwd=tmp_path), "no finished trial")
+    assert sorted(p.name for p in study.rglob("*") if not p.name.endswith(("-wal", "-shm"))) == before
 
 
 def test_predict_and_plan_have_help():
@@ -264,6 +304,35 @@ def test_the_model_tuner_ranks_untried_points_by_prediction(builtin_study):
         assert prop.running_error() == pytest.approx(0.1)
     else:  # the study measured one bucket count: the bucket is what it asks to measure
         assert "bucket count only" in proposal.reason
+
+
+def test_the_model_tuner_runs_a_point_only_while_its_interval_overlaps_the_bests(tmp_path):
+    """With an interval (q: a prediction times e^-q..e^q), a point predicted below the best still
+    runs while its interval reaches the best's, and the search stops once the fastest untried
+    point's lies wholly below; without one, the margin rule stands (no point predicted 10 %
+    better: converged)."""
+    import math
+
+    from autotune.tuning.proposers.model_guided import ModelGuidedProposer
+
+    prop = ModelGuidedProposer(_space(), study_root=tmp_path)
+    cands = prop._candidates()
+    prop.micro_seen, prop.best = {1, 2}, 100.0
+
+    def ranked_at(speed: float) -> None:
+        prop._cache = (len(prop.seen), [(speed, cands[0])])
+        prop._buckets_measured = [1, 2]
+
+    ranked_at(80.0)
+    prop.half_width = None
+    assert "by more than 10 %" in prop.converged()
+    prop.half_width = 0.15  # 80 x e^0.15 = 93 > 100 x e^-0.15 = 86: they overlap
+    assert prop.converged() is None
+    assert "(68.9-92.9)" in prop.ask().reason and "(86.1-116.2)" in prop.ask().reason
+    prop.half_width = 0.1  # 80 x e^0.1 = 88.4 < 90.5
+    assert math.exp(0.1) * 80 < 100 * math.exp(-0.1)
+    why = prop.converged()
+    assert why is not None and "80 % interval overlaps the best's" in why and "(72.4-88.4)" in why
 
 
 def test_the_model_reads_the_bucket_rule_so_a_zero0_bucket_costs_what_deepspeeds_fixed_one_does(builtin_study):

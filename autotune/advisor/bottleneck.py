@@ -237,7 +237,7 @@ def type_note(s: SignalSet) -> str:
     if names is not None:
         return (f"type:REGEX balances the count of layers of the classes it finds (this model's: "
                 f"{_classes(names)}); which regex balances the work needs the layers' costs: "
-                "autotune run --layer-costs (or --balance-stages) measures them")
+                "autotune run measures them in its baseline (--layer-costs: in every trial)")
     return f"a type:REGEX method balances the count of layers of the classes it finds: {MEASURE} measures the layers' classes and costs and names the partition"
 
 
@@ -273,7 +273,7 @@ def type_partition(s: SignalSet, raw: dict[str, Any] | None) -> Change | None:
                            "autotune run --balance-stages measures them against the job's own partition")
     if names is not None:
         return Change(kind="advice", target="PipelineModule:partition_method", current=cur,
-                      new="autotune run --layer-costs (or --balance-stages) on this job first",
+                      new="autotune run on this job first (it measures them in its baseline; --layer-costs: in every trial)",
                       note=f"{NOT_A_CONFIG_KEY}; type:REGEX balances the count of layers of the classes it "
                            f"finds (this model's: {_classes(names)}); the layers' measured costs say which "
                            "regex, if any, balances the work")

@@ -68,8 +68,15 @@ class WorkloadOptions:
                                    "(default: 2 x --steps).", lo=1, hi=300_000, unit="steps", group="workload")
     partition_method: str = option("parameters", "PipelineModule partition: parameters, uniform, type:REGEX "
                                    "or explicit boundaries parts:0,5,12 (docs/partition.md).", group="workload")
-    layer_costs: bool = option(False, "Time every layer's forward and backward in every trial "
-                               "(layer-costs-rankR.csv; docs/partition.md).", group="workload")
+    layer_costs: bool = option(False, "Time every layer's forward and backward in every trial, in a block "
+                               "of steps after its measured ones (layer-costs-rankR.csv; docs/partition.md).",
+                               group="workload")
+    # Off for a study stored before this field existed (it resumes as it was measured); on for a new run.
+    layer_costs_once: bool = option(False, "A pipeline study times every layer once, in a block of steps after "
+                                    "the baseline's measured ones (outside every figure), so that `plan` and the "
+                                    "partition advice work from it (--no-layer-costs: never; docs/partition.md).",
+                                    flag="--layer-costs-once / --no-layer-costs", group="workload",
+                                    cli_default=True)
     balance_stages: bool = option(False, "When a trial's stages are unbalanced, run one trial with the "
                                   "partition its measured layer costs balance (docs/partition.md).",
                                   group="workload")

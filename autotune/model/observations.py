@@ -4,7 +4,7 @@ One `Observation` per successful trial with metrics: its configuration, its meas
 time, and per stage (the ranks of a stage averaged, each rank's median over its measured
 steps) the terms the model fits: forward+backward work per micro-batch, its wall time, the
 optimizer step, the data-parallel reduction, the fastest point-to-point transfer and the
-peak memory; with the per-layer costs where the trial measured them (`--layer-costs`).
+peak memory; with the per-layer costs where the trial measured them (a pipeline study's baseline, by default).
 
 How each term is read from the metrics CSV (core/schema.py), per step of one rank:
 - work: `compute_cpu_seconds` on a CPU (the thread's CPU time: the stage's work without its

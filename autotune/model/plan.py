@@ -113,8 +113,10 @@ def plan(model: StudyModel, cluster: Cluster, *, stages: int | None = None, dp: 
     """Every layout of `cluster`, predicted; a UserError where the cluster cannot hold the job."""
     cal = model.calibration
     if cal.layers is None:
+        from autotune.rank.layer_costs import HOW_TO_MEASURE
+
         raise UserError(f"{model.root}: planning a layout needs each layer's cost, and the study measured none: "
-                        "run `autotune run --layer-costs` (a budget of 3 is enough)")
+                        f"{HOW_TO_MEASURE}")
     n_layers = len(cal.layers.names)
     if cluster.gpus < 1 or cluster.gpus_per_node < 1:
         raise UserError("--gpus and --gpus-per-node must be >= 1")

@@ -107,7 +107,7 @@ def prediction_text(model: StudyModel, p: Prediction, loo: LeaveOneOut) -> str:
         lines.append("  peak memory " + ", ".join(f"stage {s} {b / 2**20:,.0f} MiB" for s, b in enumerate(p.stage_memory_bytes))
                      + f" ({kind.get(cal.memory_kind or '', cal.memory_kind)})")
     else:
-        lines.append("  peak memory not modelled: the study measured no layer costs (`autotune run --layer-costs`)")
+        lines.append("  peak memory not modelled: the study measured no layer costs (it ran with --no-layer-costs)")
     lines.append(f"  measured terms: {', '.join(p.measured_terms)}")
     if p.extrapolated:
         lines.append("  extrapolated: " + "; ".join(p.extrapolated))

@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -155,6 +155,10 @@ def calibrate(observations: Sequence[Observation], *, cores: float | None = None
     stage_work = [fit_growth([o.micro_batch_size for o in plain],
                              [o.stage[s].work_seconds / o.gradient_accumulation_steps for o in plain])
                   for s in range(p)]
+    if layers is not None and parts is not None and len(_sizes(layered)) < len(_sizes(plain)):
+        layers = _grown_as_stages(layers, parts, stage_work, _sizes(layered)[0])
+        notes.append(f"layer costs measured at micro-batch {_sizes(layered)[0]} only: each layer grows with the "
+                     "micro-batch as its stage's measured work does")
     if layers is not None and parts is not None:
         scale = []
         for s in range(p):
@@ -166,7 +170,8 @@ def calibrate(observations: Sequence[Observation], *, cores: float | None = None
         scale = [1.0] * p
         forward_share = [1 / 3] * p
         notes.append("no layer costs: the forward is taken as a third of the forward and backward "
-                     "(run with --layer-costs to measure it, and to predict other partitions)")
+                     "(the study ran with --no-layer-costs, or is not a pipeline; a new `autotune run` measures "
+                     "them in its baseline, and predicts other partitions)")
 
     transfers = [(o.micro_batch_size, statistics.median([s.transfer_seconds for s in o.stage if s.transfer_seconds]))
                  for o in obs if any(s.transfer_seconds for s in o.stage)]
@@ -291,6 +296,35 @@ def _layer_model(obs: Sequence[Observation]) -> LayerModel:
                       middle_overhead=overhead(middle[1:] or middle), last_overhead=overhead([p - 1]))
 
 
+def _sizes(obs: Sequence[Observation]) -> list[int]:
+    """The distinct micro-batch sizes of `obs`, smallest first."""
+    return sorted({o.micro_batch_size for o in obs})
+
+
+def _grown_as_stages(layers: LayerModel, parts: Sequence[int], stage_work: Sequence[GrowthFit], at: int) -> LayerModel:
+    """Layer costs measured at one micro-batch size (`at`: a study's baseline) grown as the stage
+    that held each layer grew over every trial of the study.
+
+    One size can only scale a layer in proportion (fits.py), which puts no fixed cost in any
+    layer: measured at micro-batch 1, it predicted a micro-batch of 8 a third slower than that
+    very trial measured, where the stage fits over every micro-batch the study ran know better.
+    So each layer keeps its share of its stage's work at `at`, and takes the stage's growth."""
+    p = len(parts) - 1
+
+    def as_stage(fit: GrowthFit, s: int) -> GrowthFit:
+        stage = stage_work[s]
+        k = fit(at) / stage(at) if stage(at) > 0 else 0.0
+        return GrowthFit(stage.fixed * k, stage.per_unit * k, stage.exponent, stage.measured)
+
+    stage_of = [next(s for s in range(p) if parts[s] <= i < parts[s + 1]) for i in range(len(layers.names))]
+    middle = 1 if p > 2 else 0
+    return replace(
+        layers, forward=[as_stage(f, stage_of[i]) for i, f in enumerate(layers.forward)],
+        backward=[as_stage(f, stage_of[i]) for i, f in enumerate(layers.backward)],
+        first_overhead=as_stage(layers.first_overhead, 0), middle_overhead=as_stage(layers.middle_overhead, middle),
+        last_overhead=as_stage(layers.last_overhead, p - 1))
+
+
 def _stage_overhead(layers: LayerModel, s: int, p: int) -> GrowthFit:
     if s == p - 1:
         return layers.last_overhead
@@ -370,10 +404,14 @@ def _check(cal: Calibration, layout: Layout) -> None:
         raise UserError("stages and dp must be >= 1")
     n = cal.num_layers
     if cal.layers is None and (layout.stages != cal.stages or (layout.parts and list(layout.parts) != cal.parts)):
-        raise UserError(f"another partition or stage count needs each layer's cost, and the study has none: "
-                        f"run `autotune run --layer-costs` to measure them (the study ran {cal.stages} stages)")
+        from autotune.rank.layer_costs import HOW_TO_MEASURE
+
+        raise UserError(f"another partition or stage count needs each layer's cost, and the study has none "
+                        f"(it ran {cal.stages} stages): {HOW_TO_MEASURE}")
     if layout.checkpoint_interval and cal.layers is None:
-        raise UserError("activation checkpointing needs each layer's forward: run `autotune run --layer-costs`")
+        from autotune.rank.layer_costs import HOW_TO_MEASURE
+
+        raise UserError(f"activation checkpointing needs each layer's forward, and the study has none: {HOW_TO_MEASURE}")
     if n is not None and layout.stages > n:
         raise UserError(f"{layout.stages} stages for {n} layers: every stage needs a layer")
     if layout.parts is not None:

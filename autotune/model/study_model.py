@@ -39,7 +39,7 @@ def model_of_study(root: str | Path) -> StudyModel:
     obs = observe_study(root)
     if not obs:
         raise StudyError(f"{root}: no finished trial with metrics to calibrate the model from; a study needs at "
-                         "least one successful trial (`autotune run --study ... --budget 3 --layer-costs` gives one "
+                         "least one successful trial (`autotune run --study ... --budget 3` gives one "
                          "with every layer measured)")
     cores = None
     notes: list[str] = []

@@ -226,11 +226,12 @@ class _RankState:
             plain_steps(engine).ended.append(step_ended)
             return
         measured = engine.train_batch  # the probe's timed train_batch
+        wiring = self.wiring
 
         def train_batch(*args: Any, **kwargs: Any) -> Any:
             loss = measured(*args, **kwargs)
             self.calls += 1
-            if not budget.go_on():  # the same decision on every rank, at the same call
+            if not wiring.go_on():  # the same decision on every rank, at the same call (layer costs last)
                 self.stop()
             return loss
 

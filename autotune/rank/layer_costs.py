@@ -1,9 +1,10 @@
 """Per-layer cost of a PipelineEngine's stage: forward and backward seconds of every layer.
 
-Off by default (it adds a hook call per layer per micro-batch); a trial turns it on
-(`WorkloadOptions.layer_costs`, the built-in rank; the user-command hook likewise).
-It rides on the PipelineProbe (autotune/rank/instrument.py) as one more sink: the probe
-hands it every step's record (so warm-up steps are known) and closes it at the end,
+A trial that asks for them (the study's baseline by default; every trial with
+`--layer-costs`) measures them in a block of steps after its measured steps, outside
+every figure (autotune/rank/wiring.py `LAYER_COST_STEPS`): the hooks add a call per layer
+per micro-batch. The sink rides on the PipelineProbe (autotune/rank/instrument.py): the
+probe hands it every step's record (so warm-up steps are known) and closes it at the end,
 when it writes `layer-costs-rank{R}.csv` (format: docs/partition.md).
 
 How a layer is timed, with the probe's clock (autotune/rank/timing.py: CUDA events on
@@ -48,6 +49,9 @@ COLUMNS = ("rank", "stage", "stages", "layer", "name", "forward_seconds", "backw
            "parameters", "activation_bytes", "stage_overhead_seconds", "stage_peak_memory_bytes",
            "peak_memory_kind", "micro_batch_size", "gradient_accumulation_steps", "steps")
 _FWD_PASS, _BWD_PASS, _BWD_PRE = "ForwardPass", "BackwardPass", "bwd-pre"
+HOW_TO_MEASURE = ("a new `autotune run` of the job measures them in its baseline (unless --no-layer-costs; "
+                  "a budget of 1 is enough)")
+"""What to run for layer costs, in every message that needs them (the model's, `plan`'s)."""
 
 
 class LayerCostSink:
@@ -226,9 +230,14 @@ def _peak_memory(device_type: str) -> tuple[float, str]:
     return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024), "process_max_rss"
 
 
+def sink_path(probe: Any, trial_dir: str | Path) -> Path:
+    """Where the layer costs of `probe`'s rank are written: `trial_dir/layer-costs-rank{R}.csv`."""
+    return Path(trial_dir) / FILE_PATTERN.format(rank=int(probe.engine.global_rank))
+
+
 def attach(probe: Any, trial_dir: str | Path) -> LayerCostSink:
-    """Measure layer costs of `probe`'s engine into `trial_dir/layer-costs-rank{R}.csv`."""
-    sink = LayerCostSink(probe.engine, Path(trial_dir) / FILE_PATTERN.format(rank=int(probe.engine.global_rank)))
+    """Measure layer costs of `probe`'s engine in every step it records from now on."""
+    sink = LayerCostSink(probe.engine, sink_path(probe, trial_dir))
     probe.sinks.append(sink)
     return sink
 

@@ -2,16 +2,22 @@
 
 Given the plan (autotune/core/rank_plan.py) and the rank's engine, `wire` sets up the
 probe (autotune/rank/instrument.py) with its CSV records and live endpoint (exporters/),
-the layer-cost hooks (autotune/rank/layer_costs.py) and the step budget
-(autotune/core/step_budget.py) that decides, alike on every rank, when the steps end, and
-the traced steps (autotune/rank/trace_recorder.py);
+the step budget (autotune/core/step_budget.py) that decides, alike on every rank, when the
+measured steps end, the layer-cost block after them (autotune/rank/layer_costs.py), and the
+traced steps (autotune/rank/trace_recorder.py);
 `rank_watchdog` is the plan's stall watchdog (autotune/rank/watchdog.py).
 
 Used by a built-in rank (autotune/rank/workload/train.py, fresh or warm through
 autotune/rank/workload/worker.py) and by a rank of the user's own script
 (autotune/rank/hook.py). What differs stays with them: the built-in loop calls
-`train_batch` itself and asks the budget after every step, the hook wraps the
-script's `train_batch` and ends the rank when the budget says so.
+`train_batch` itself and asks `RankWiring.go_on` after every step, the hook wraps the
+script's `train_batch` and ends the rank when `go_on` says so.
+
+The layer costs are measured outside every figure: the hooks cost a Python call per layer
+per micro-batch (+4 % step time, docs/partition.md), so they go on only once the budget has
+ended the measured steps, for `LAYER_COST_STEPS` more steps that only the layer-cost sink
+sees (no CSV row, no live gauge, no step the budget counts). A watched job has no end to
+put them after: there they are on from the start, as the user asked (`--layer-costs`).
 """
 
 from __future__ import annotations
@@ -25,7 +31,12 @@ from autotune.core.rank_plan import RankPlan
 if TYPE_CHECKING:
     from autotune.core.step_budget import StepBudget
     from autotune.rank.instrument import PipelineProbe
+    from autotune.rank.layer_costs import LayerCostSink
     from autotune.rank.watchdog import Watchdog
+
+LAYER_COST_STEPS = 3
+"""Steps of the layer-cost block after the measured steps: its costs are medians over them (a
+trial's steps agree within a few %; three outvote one that a peer's start-up slowed)."""
 
 
 def process_rank() -> int:
@@ -59,6 +70,44 @@ class RankWiring:
     """The engine's probe (autotune/rank/instrument.py), its sinks open."""
     budget: StepBudget | None = None
     """When the steps end (autotune/core/step_budget.py StepBudget); None: the job's own loop decides."""
+    cost_steps: int = 0
+    """Steps of the layer-cost block still to run after the measured ones (0: none)."""
+    _costing: tuple[LayerCostSink, list, object] | None = None
+    """The block in progress: its sink, and the probe's sinks and step listener held aside meanwhile."""
+
+    def go_on(self) -> bool:
+        """After each step: run another? The budget's measured steps (the same decision on every
+        rank), then the layer-cost block's fixed count (alike on every rank as well)."""
+        if self._costing is None:
+            if self.budget is not None and self.budget.go_on():
+                return True
+            if self.cost_steps <= 0:
+                return False
+            self._begin_costs()
+            return True
+        self.cost_steps -= 1
+        if self.cost_steps > 0:
+            return True
+        self._end_costs()
+        return False
+
+    def _begin_costs(self) -> None:
+        """The hooks on, and every step from now seen by their sink alone (outside every figure)."""
+        from autotune.rank.layer_costs import LayerCostSink, sink_path
+
+        sink = LayerCostSink(self.probe.engine, sink_path(self.probe, self.plan.trial_dir))
+        self._costing = (sink, list(self.probe.sinks), self.probe.on_step)
+        self.probe.sinks[:] = [sink]
+        self.probe.on_step = None
+
+    def _end_costs(self) -> None:
+        """The probe's own sinks and listener back (they close with it), the layer-cost sink among them."""
+        if self._costing is None:
+            return
+        sink, held, listener = self._costing
+        self._costing = None
+        self.probe.sinks[:] = [*held, sink]
+        self.probe.on_step = listener
 
     def watch_steps(self, engine: object, watchdog: Watchdog | None) -> None:
         """Time every step with the watchdog, if any: call it after every other wrapper of
@@ -77,6 +126,7 @@ class RankWiring:
 
     def close(self) -> None:
         """The CSV written out, the layer costs too, the endpoint gone."""
+        self._end_costs()  # a block cut short (a failed step): its costs so far, and the CSV, still written
         self.probe.close_sinks()
 
 
@@ -98,11 +148,13 @@ def wire(engine: object, plan: RankPlan, *, seq_length: int | None = None, budge
         from autotune.rank.trace_recorder import record_trace
 
         record_trace(engine, plan, process_rank(), labels)
-    if plan.layer_costs:  # a sink of the probe: written beside the metrics CSV when it closes
+    wiring = RankWiring(plan=plan, probe=probe)
+    if plan.layer_costs and budget:  # after the measured steps (see the module docstring)
+        wiring.cost_steps = LAYER_COST_STEPS
+    elif plan.layer_costs:  # a watched job: a sink of the probe from the start, written when it closes
         from autotune.rank.layer_costs import attach
 
         attach(probe, plan.trial_dir)
-    wiring = RankWiring(plan=plan, probe=probe)
     if budget:
         from autotune.core.step_budget import follow_probe, rank_budget
 

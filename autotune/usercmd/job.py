@@ -169,6 +169,10 @@ class UserJob:
         in the trial's config) and the knob sweep of the script's own flags."""
         steps: list[SettingStep] = []
         command, own_cluster = self.launch(opts)  # the same nodes the runner's trials run on
+        if self.is_pipeline:  # the baseline's layer costs (plan from any study)
+            from autotune.tuning.layer_cost_step import layer_cost_steps
+
+            steps.extend(layer_cost_steps(opts.workload))
         if opts.workload.balance_stages:
             from autotune.tuning.balance import StageBalancer
 

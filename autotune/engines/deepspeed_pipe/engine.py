@@ -51,7 +51,9 @@ class DeepSpeedPipeline:
     def steps(self, opts: RunOptions, base: DsConfig, space: SearchSpace, *, root: Path,
               note: Callable[[str], None], noise: float, cluster: Cluster | None) -> list[SettingStep]:
         wl = opts.workload
-        steps: list[SettingStep] = []
+        from autotune.tuning.layer_cost_step import layer_cost_steps
+
+        steps: list[SettingStep] = layer_cost_steps(wl)  # the baseline's layer costs (plan from any study)
         # the checkpoint step where the model allows it: the built-in model, not yet checkpointing
         if (opts.checkpoint_on_oom and wl.model is None and not wl.activation_checkpoint_interval
                 and not base.activation_checkpoint_interval):

@@ -199,7 +199,7 @@ def steps_then_close(spec: TrialSpec, engine, wiring, data, watchdog, losses: li
     try:
         wiring.watch_steps(engine, watchdog)
         try:
-            code = _train(spec, engine, data, rank, losses, inject_rank_fault, wiring.budget)
+            code = _train(spec, engine, data, rank, losses, inject_rank_fault, wiring)
         except torch.OutOfMemoryError as exc:  # outside a step's own handler (a schedule's set-up)
             print(f"autotune: out of memory on rank {rank}: {exc}", file=sys.stderr, flush=True)
             code = EXIT_OOM
@@ -212,12 +212,12 @@ def steps_then_close(spec: TrialSpec, engine, wiring, data, watchdog, losses: li
         wiring.close()
 
 
-def _train(spec: TrialSpec, engine, data, rank: int, losses: list[float], inject_rank_fault, budget) -> int:
-    """The trial's steps, as many as `budget` decides (collectively); 0, or the exit code of the
-    way it failed."""
+def _train(spec: TrialSpec, engine, data, rank: int, losses: list[float], inject_rank_fault, wiring) -> int:
+    """The trial's steps, as many as `wiring.go_on` decides (collectively: the budget's measured
+    steps, then the layer-cost block); 0, or the exit code of the way it failed."""
     import torch
 
-    total = spec.plan.unmeasured_steps + spec.plan.step_cap
+    total = spec.plan.unmeasured_steps + spec.plan.step_cap + wiring.cost_steps
     collapsed_steps, skipped = 0, getattr(engine, "skipped_steps", 0)
     for step in range(total):
         inject_rank_fault(spec.fault, fault_rank=spec.fault_rank, engine=engine, rank=rank, step=step,
@@ -250,7 +250,7 @@ def _train(spec: TrialSpec, engine, data, rank: int, losses: list[float], inject
             print(f"autotune: non-finite loss {value} at step {step} on rank {rank}",
                   file=sys.stderr, flush=True)
             return EXIT_NONFINITE_LOSS
-        if not budget.go_on():
+        if not wiring.go_on():
             break
     return 0
 

@@ -10,9 +10,14 @@ trials so far, and every untried point of the space is predicted. The next trial
   the cost per bucket from the cost per step, so the model predicts every bucket alike;
 - then the point predicted fastest, among those the out-of-memory model does not veto
   (`feasibility.py`: the cliff comes from the memory seen, not from stepping over it).
-The search stops when no untried point is predicted to beat the best measured by more than
-the larger of the noise margin and the model's own running error on the trials it chose,
-which is kept and said: each trial's reason holds the samples/s it was predicted to reach.
+A real trial is needed where the model cannot rule a point out. Once the study has enough
+held-out trials for the model's 80 % interval (autotune/model/interval.py: its leave-one-out
+errors, launch noise included), a point runs only while its interval overlaps the best's (the
+best measured, with the same width): the search stops when the fastest untried point's
+interval lies wholly below it. Before that, it stops when no untried point is predicted to
+beat the best measured by more than the larger of the noise margin and the model's own
+running error on the trials it chose. Both are kept and said: each trial's reason holds the
+samples/s it was predicted to reach, and its interval.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from autotune.core.noise import NOISE_MARGIN
 from autotune.core.space import SearchSpace, TrialConfig
 from autotune.core.trial_kind import MODEL
 from autotune.core.trial_result import TrialResult
+from autotune.model.interval import LEVEL
 from autotune.tuning.proposers.base import Proposal
 from autotune.tuning.proposers.feasibility import FeasibilityModel
 
@@ -46,6 +52,9 @@ class ModelGuidedProposer:
         self.predicted: dict[tuple, float] = {}
         self.errors: list[float] = []
         """measured / predicted - 1 of every trial this proposer chose by prediction."""
+        self.half_width: float | None = None
+        """q of the model's interval (a prediction times e^-q..e^q), from the study's held-out
+        trials at the last calibration; None: too few of them for one."""
 
     # -- the contract -------------------------------------------------------------------------
     def tell(self, config: TrialConfig, result: TrialResult) -> None:
@@ -72,7 +81,8 @@ class ModelGuidedProposer:
         if bucket is not None:
             return bucket
         self.predicted[cfg.key()] = speed
-        why = f"the model predicts {speed:,.1f} samples/s (best measured {self.best:,.1f}){self._error_text()}"
+        why = (f"the model predicts {speed:,.1f} samples/s{self._interval_text(speed)} (best measured "
+               f"{self.best:,.1f}{self._interval_text(self.best)}){self._error_text()}")
         return Proposal(config=cfg, source=SOURCE, reason=why)
 
     def converged(self) -> str | None:
@@ -83,6 +93,13 @@ class ModelGuidedProposer:
         if ranked is None or self.best <= 0 or self._bucket_to_measure(ranked) is not None:
             return None
         speed, cfg = ranked[0]
+        q = self.half_width
+        if q is not None:  # the interval decides where a real trial is needed
+            if speed * math.exp(q) < self.best * math.exp(-q):
+                return (f"no untried point's {LEVEL * 100:.0f} % interval overlaps the best's: the fastest untried, "
+                        f"{cfg.describe()}, at {speed:,.1f}{self._interval_text(speed)} samples/s against "
+                        f"{self.best:,.1f}{self._interval_text(self.best)} measured{self._error_text()}")
+            return None
         margin = max(NOISE_MARGIN, self.running_error() or 0.0)
         if speed < self.best * (1 + margin):
             return (f"the model predicts no untried point beats the best by more than {margin * 100:.0f} % "
@@ -94,6 +111,10 @@ class ModelGuidedProposer:
     def running_error(self) -> float | None:
         """Mean absolute relative error of the predictions this proposer ran."""
         return statistics.fmean(abs(e) for e in self.errors) if self.errors else None
+
+    def _interval_text(self, speed: float) -> str:
+        q = self.half_width
+        return "" if q is None else f" ({speed * math.exp(-q):,.1f}-{speed * math.exp(q):,.1f})"
 
     def _error_text(self) -> str:
         err = self.running_error()
@@ -162,7 +183,12 @@ class ModelGuidedProposer:
             model = model_of_study(self.root)
         except AutotuneError:
             return None
+        from autotune.model.interval import interval
+        from autotune.model.validation import held_out
+
         cal = model.calibration
+        iv = interval(1.0, held_out(model))
+        self.half_width = iv.half_width_log if iv is not None else None
         acts = cal.zero_stage is None or reduce_bucket_acts(cal.zero_stage, cal.data_parallel_size)
         self._buckets_measured = cal.buckets_measured if acts else None
         if len(cal.micro_batches_measured) < 2:
