@@ -218,3 +218,26 @@ def test_cli_a_zero_key_deepspeed_refuses_is_exit_2_before_anything_runs(job):
                                         "--no-metrics"])
     assert built_in.exit_code == 2 and "did you mean overlap_comm?" in built_in.output, built_in.output
     assert not (job / "st2").exists()
+
+
+@pytest.mark.parametrize(("options", "needle"), [
+    (["--engine", "torch"], "--engine: shapes the built-in workload only"),
+    (["--schedule", "GPipe"], "--schedule: shapes"),
+    (["--virtual-stages", "4"], "--virtual-stages: shapes"),
+    (["--preset", "small", "--stages", "4"], "--preset, --stages: shape the built-in workload only"),
+    (["--dp", "1"], "--dp: shapes"),
+])
+def test_cli_a_built_in_workload_option_with_a_command_is_refused_not_dropped(job, options, needle):
+    """Issue 43: `--engine torch`, `--schedule`, `--virtual-stages` (and the other options that shape
+    the built-in workload only) given with a command were dropped without a word, and the run then
+    failed its start-up check as no_engine. Now one line, exit 2, before the start-up check runs."""
+    from autotune.cli.main import cli
+
+    result = CliRunner().invoke(cli, ["run", "--study", str(job / "st"), *options, "--", "deepspeed",
+                                      str(job / "train.py"), "--deepspeed_config", str(job / "ds.json")])
+    assert result.exit_code == 2, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0], result.output
+    assert "start-up check: running" not in result.output and "Traceback" not in result.output
+    assert ("issue 43" in lines[0]) == any(o in options for o in ("--engine", "--schedule", "--virtual-stages"))
+    assert not (job / "st").exists()

@@ -207,8 +207,7 @@ def prepare_user_job(opts: RunOptions, argv: list[str], note: Callable[[str], No
             raise UserError(f"{root} was created for another command ({stored.command_text()}); resume it with "
                             "that command or none, or give this one another --study")
         return stored
-    if opts.workload.faults:
-        raise UserError("--fault injects faults into the built-in workload only")
+    refuse_builtin_only(opts)
     cwd = Path.cwd().resolve()
     cmd = with_autotune_launcher_options(parse_command(argv, cwd=cwd), opts)
     if opts.knobs:  # a knob that names no flag, or the config's: one line before anything runs
@@ -364,6 +363,34 @@ def config_from_code(marker: dict | None) -> DsConfig:
         return load_ds_config(marker["path"])  # type: ignore[index]
     raise UserError("the script gave deepspeed.initialize no DeepSpeed config (the command names none, and "
                     "no config= in its code): pass it as --deepspeed_config FILE")
+
+
+BUILTIN_ONLY = {
+    "engine": "--engine", "schedule": "--schedule", "virtual_stages": "--virtual-stages", "preset": "--preset",
+    "model": "--model", "tokens": "--tokens", "workers": "--workers", "pipeline_stages": "--stages",
+    "data_parallel_size": "--dp", "activation_checkpoint_interval": "--activation-checkpoint-interval",
+    "faults": "--fault",
+}
+"""Workload options that shape the built-in workload only (field: flag). The command's own script
+and launcher decide these for a user's job (its engine, stages and ranks, read at the start-up
+check), so each is refused with a command rather than dropped without a word."""
+
+
+def refuse_builtin_only(opts: RunOptions) -> None:
+    """A built-in workload's option given with a command: one line, exit 2, before anything runs."""
+    from autotune.core.options import WorkloadOptions
+
+    defaults = WorkloadOptions()
+    given = [flag for name, flag in BUILTIN_ONLY.items()
+             if getattr(opts.workload, name) != getattr(defaults, name)]
+    if not given:
+        return
+    torch = {"--engine", "--schedule", "--virtual-stages"} & set(given)
+    why = (" (your own torch.distributed.pipelining script is not supported yet: issue 43; its schedule is "
+           "the one it builds)" if torch else "")
+    raise UserError(f"{', '.join(given)}: shape{'s' if len(given) == 1 else ''} the built-in workload only; with "
+                    f"a command (`autotune run -- ...`) the script and its launcher decide {'it' if len(given) == 1 else 'them'}"
+                    f" (read at the start-up check){why}")
 
 
 def refuse_pipeline_only(opts: RunOptions) -> None:
