@@ -88,22 +88,34 @@ def install(settings: BootstrapSettings) -> None:
         state.watchdog = rank_watchdog(settings.plan, state.rank)
     if state.watchdog is not None:
         state.watchdog.startup()  # from the interpreter's start: the script's imports, the op load, ...
-    if "deepspeed" in sys.modules:
-        _patch(sys.modules["deepspeed"], state)
-    else:
-        sys.meta_path.insert(0, _DeepSpeedFinder(state))
+    _patch_on_import("deepspeed", lambda module: _patch(module, state))
+    from autotune.rank import torch_schedule_probe as tsp  # a torch.distributed.pipelining script
+
+    if settings.mode == MODE_PROBE:  # its schedule read and reported, the rank ended before its first step
+        _patch_on_import(tsp.MODULE, lambda module: tsp.patch(module, state.write_marker))
+    elif settings.mode == MODE_WATCH:  # its schedule instrumented (trials: issue 43's next step)
+        _patch_on_import(tsp.MODULE, lambda module: tsp.on_schedule_built(module, state.schedule_built))
     atexit.register(state.on_normal_exit)
 
 
-class _DeepSpeedFinder(importlib.abc.MetaPathFinder):
-    """Finds `deepspeed` the normal way, then patches it as soon as its __init__ has run."""
+def _patch_on_import(name: str, patch: Any) -> None:
+    """`patch(module)` as soon as the script imports module `name` (or now, if it already has)."""
+    if name in sys.modules:
+        patch(sys.modules[name])
+    else:
+        sys.meta_path.insert(0, _PatchingFinder(name, patch))
 
-    def __init__(self, state: _RankState) -> None:
-        self.state = state
+
+class _PatchingFinder(importlib.abc.MetaPathFinder):
+    """Finds one module the normal way, then patches it as soon as its code has run."""
+
+    def __init__(self, name: str, patch: Any) -> None:
+        self.name = name
+        self.patch = patch
         self.busy = False
 
     def find_spec(self, fullname: str, path: Any = None, target: Any = None):
-        if fullname != "deepspeed" or self.busy:
+        if fullname != self.name or self.busy:
             return None
         self.busy = True  # find_spec below asks the meta path again, us included
         try:
@@ -112,14 +124,14 @@ class _DeepSpeedFinder(importlib.abc.MetaPathFinder):
             self.busy = False
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return None
-        loader, state = spec.loader, self.state
+        loader, patch = spec.loader, self.patch
         run_module = loader.exec_module
 
         def exec_module(module: Any) -> None:
             run_module(module)
-            _patch(module, state)
+            patch(module)
 
-        loader.exec_module = exec_module  # this loader instance loads only deepspeed/__init__.py
+        loader.exec_module = exec_module  # this loader instance loads only this one module
         return spec
 
 
@@ -170,6 +182,23 @@ class _RankState:
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps({"rank": self.rank, **payload}) + "\n", encoding="utf-8")
         tmp.replace(path)  # the controller never reads half a marker
+
+    def schedule_built(self, schedule: Any) -> None:
+        """A torch.distributed.pipelining schedule object of the script's (watch mode): the first is
+        the one watched, behind the engine face (autotune/rank/torch_pp/user_schedule.py)."""
+        if self.engine is not None:
+            return
+        from autotune.rank.torch_pp.user_schedule import UserSchedule
+        from autotune.rank.wiring import wire
+
+        face = UserSchedule(schedule)
+        self.engine = face
+        self.write_marker("engine", {
+            "engine": face.schedule_name, "pipeline": True, "deepspeed": False, "torch_pipelining": True,
+            "stages": face.num_stages, "stage": face.stage_id, "dp": face.data_parallel_size,
+            "dp_rank": face.replica, "micro_batches": face.m,
+            "parameters": int(sum(p.numel() for p in face.module.parameters()))})
+        self.wiring = wire(face, self.settings.plan, budget=False)
 
     def engine_built(self, engine: Any) -> None:
         if self.engine is not None:  # a second engine (e.g. a teacher model): the first is the one tuned

@@ -153,6 +153,10 @@ def judge_user_trial(outcome: LaunchOutcome, run_dir: Path, timeout: float, *, s
     return judge(outcome, run_dir, timeout)
 
 
+TORCH_PIPELINING = "torch_pipelining"
+"""The start-up check's finding for a script that builds a torch.distributed.pipelining schedule."""
+
+
 @dataclass(kw_only=True, slots=True)
 class PipelineShape:
     """What the engine says about the job (measured, not asked of the user)."""
@@ -198,6 +202,11 @@ def probe_shape(command: UserCommand, *, ds_config: Path | None, cwd: Path, time
                              parameters=sum(per_stage.values()) if pipeline else int(first["parameters"]),
                              pipeline=pipeline, zero_stage=int(first.get("zero_stage", 0)),
                              script_config=next(iter(read_markers(run_dir, "config")), None)), None, run_dir
+    from autotune.rank.torch_schedule_probe import MARKER, job_text
+
+    schedules = read_markers(run_dir, MARKER)
+    if schedules and not engines:  # the script pipelines with torch, not DeepSpeed (issue 43)
+        return None, failed(TORCH_PIPELINING, job_text(schedules), outcome.wall_seconds), run_dir
     failure = judge_user_trial(outcome, run_dir, timeout, steps_needed=0)
     if failure.result.ok:  # exit 0 with metrics but no done marker: cannot happen in probe mode
         failure = failed("crash", "the start-up check ended without reaching deepspeed.initialize", 0.0)

@@ -36,7 +36,12 @@ from autotune.core.trainer_args import GAS_FLAG, HF_TRAINER, MICRO_FLAG
 from autotune.study.job_record import META_KEY, describe_job
 from autotune.trials.multinode import resolve_cluster
 from autotune.trials.precision import check_precision
-from autotune.trials.user_command import PROBE_TIMEOUT, UserCommandRunner, probe_shape
+from autotune.trials.user_command import (
+    PROBE_TIMEOUT,
+    TORCH_PIPELINING,
+    UserCommandRunner,
+    probe_shape,
+)
 from autotune.usercmd.command import (
     CONFIG_FLAGS,
     UserCommand,
@@ -241,6 +246,11 @@ def prepare_user_job(opts: RunOptions, argv: list[str], note: Callable[[str], No
         if failure is None:
             shutil.rmtree(probe_dir, ignore_errors=True)
         raise ConfigError(f"{config}: {auto_unfilled(auto, None)}")
+    if failure is not None and failure.result.failure_reason == TORCH_PIPELINING:
+        shutil.rmtree(probe_dir, ignore_errors=True)
+        raise UserError(f"the start-up check read a torch.distributed.pipelining job: {failure.failure_detail}; "
+                        "autotune cannot tune such a script yet (issue 43): `autotune run --engine torch` tunes "
+                        "the schedule and n_microbatches of its built-in workload (docs/torch-pipelining.md)")
     if failure is not None:
         hint = framework_hint(cmd, failure.failure_detail or "", built_by)
         if config is not None and base.zero_stage >= 2 and not built_by:  # DeepSpeed's PipelineEngine asserts on it before the bootstrap sees it

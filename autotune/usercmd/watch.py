@@ -80,7 +80,8 @@ class WatchOptions:
 @dataclass(kw_only=True, slots=True)
 class PreparedWatch:
     command: UserCommand
-    config: Path
+    config: Path | None
+    """The DeepSpeed config the command names; None: it names none (built in code, or a torch job)."""
     cwd: Path
 
 
@@ -91,7 +92,20 @@ def prepare(argv: list[str], opts: WatchOptions, *, cwd: Path) -> PreparedWatch:
         raise UserError("no training command after `--`; write it as: autotune watch -- deepspeed "
                         "train.py --deepspeed_config ds_config.json")
     cmd = parse_command(argv, cwd=cwd)
-    config = cmd.config_path(opts.config, cwd)  # the one rule `autotune run` follows too
+    # the one rule `autotune run` follows too; None: the command names none (a DeepSpeed script that
+    # builds its config in code, or a torch.distributed.pipelining script, which has none)
+    config = cmd.config_path(opts.config, cwd, in_code=True)
+    if config is not None:
+        _check_config(config)
+    check_launcher_installed(cmd)
+    resolve_cluster(cmd.cluster_options(), None)  # the command's hostfile, launcher and hosts (pdsh/ssh)
+    if opts.interval <= 0 or opts.window < 0 or opts.warmup_steps < 0 or opts.trace_steps < 0:
+        raise UserError("--interval must be > 0, --window, --warmup-steps and --trace-steps >= 0")
+    return PreparedWatch(command=cmd, config=config, cwd=cwd)
+
+
+def _check_config(config: Path) -> None:
+    """The config the command names, read as DeepSpeed reads it: one UserError where it cannot be."""
     try:
         raw, _ = parse_config_text(config.read_text(encoding="utf-8"))  # as DeepSpeed reads it
     except FileNotFoundError:
@@ -102,11 +116,6 @@ def prepare(argv: list[str], opts: WatchOptions, *, cwd: Path) -> PreparedWatch:
         raise UserError(f"DeepSpeed config {config}: {exc}") from None
     if not isinstance(raw, dict):
         raise UserError(f"DeepSpeed config {config}: not a JSON object")
-    check_launcher_installed(cmd)
-    resolve_cluster(cmd.cluster_options(), None)  # the command's hostfile, launcher and hosts (pdsh/ssh)
-    if opts.interval <= 0 or opts.window < 0 or opts.warmup_steps < 0 or opts.trace_steps < 0:
-        raise UserError("--interval must be > 0, --window, --warmup-steps and --trace-steps >= 0")
-    return PreparedWatch(command=cmd, config=config, cwd=cwd)
 
 
 def new_run_dir(out: Path) -> Path:
@@ -228,7 +237,7 @@ class Watch:
         self.endpoints: Any = None
         self.exporter: Any = None
         self.shown: dict[tuple[str, str], Any] = {}
-        self.ds_config = _load_config(prepared.cwd / prepared.config)
+        self.ds_config = _load_config(prepared.cwd / prepared.config) if prepared.config is not None else None
         self.noted_engine = False
 
     def run(self) -> int:
@@ -324,6 +333,10 @@ class Watch:
             return
         self.noted_engine = True
         e = engines[0]
+        if e.get("torch_pipelining"):
+            self.say(f"watch: the job: a torch.distributed.pipelining schedule, {e.get('engine')}: {e['stages']} "
+                     f"pipeline ranks x {e['dp']} data-parallel, n_microbatches {e.get('micro_batches')}")
+            return
         if e.get("deepspeed") is False:
             self.say(f"watch: deepspeed.initialize returned a {e.get('engine')}, not a DeepSpeed engine: it "
                      "runs on, without metrics")

@@ -100,37 +100,29 @@ class Grid:
         return self.replica
 
 
-class TorchPipeEngine:
-    """One rank's stages, schedule and optimizer, behind the engine face (see the module doc)."""
+class ScheduleFace:
+    """The engine face over torch stages and a schedule (autotune/rank/engine_face.py): what the
+    probe reads, shared by the built-in engine and a user's own schedule object
+    (autotune/rank/torch_pp/user_schedule.py). A subclass sets `global_rank`, `num_stages` (the
+    pipeline's ranks), `stage_id`, `data_parallel_size`, `replica`, `micro`, `m`, `first`, `last`
+    and `_instructions` (`time_schedule` routes the work through it)."""
 
-    def __init__(self, *, stages: list[Any], schedule: Any, optimizer: Any, grid: Grid,
-                 micro_batch_size: int, micro_batches: int, device: Any, schedule_name: str,
-                 gradient_clipping: float = 0.0, last_rank: int) -> None:
-        import torch
-        import torch.distributed as dist
+    global_rank: int
+    num_stages: int
+    stage_id: int
+    micro: int
+    m: int
+    first: bool
+    last: bool
+    _instructions: dict[str, Callable[..., Any]]
 
-        self.stages, self.schedule, self.optimizer = stages, schedule, optimizer
-        self.global_rank, self.num_stages, self.stage_id = dist.get_rank(), grid.pipe_size, grid.stage
-        """`num_stages`: the pipeline's ranks (the CSV's pipeline_stages); `stage_id`: this rank's
-        place in its pipeline (its first stage)."""
-        self.grid = grid
-        self.device = device
-        self.schedule_name = schedule_name
-        self.module = torch.nn.ModuleList([s.submod for s in stages])
-        self.micro, self.m, self.clip, self.last_rank = micro_batch_size, micro_batches, gradient_clipping, last_rank
-        self.first = any(s.is_first for s in stages)
-        self.last = any(s.is_last for s in stages)
-        self.skipped_steps = 0
-        self._instructions: dict[str, Callable[..., Any]] = {name: _run_call for name in INSTRUCTION_CATEGORY}
-        for stage in stages:
-            self._hook(stage, "forward_one_chunk", "ForwardPass")
-            self._hook(stage, "backward_one_chunk", "BackwardPass")
-            if hasattr(stage, "backward_weight_one_chunk"):
-                self._hook(stage, "backward_weight_one_chunk", "BackwardPass")
-            for method, kind in OPS_KIND.items():
-                _tag_ops(stage, method, kind)
-        self._hook(schedule, "_maybe_compute_loss", "ForwardPass")
-        install_p2p_timing(self)
+    @property
+    def data_parallel_size(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def replica(self) -> int:
+        raise NotImplementedError
 
     # -- the engine face -----------------------------------------------------------------------
     def autotune_instructions(self) -> InstructionTable:
@@ -140,7 +132,7 @@ class TorchPipeEngine:
     def autotune_layout(self) -> EngineLayout:
         """The engine face's layout (autotune/rank/engine_face.py), stated rather than read as DeepSpeed's."""
         return EngineLayout(rank=self.global_rank, micro_batch_size=self.micro, accumulation_steps=self.m,
-                            data_parallel_size=self.grid.data_parallel_size, data_parallel_rank=self.grid.replica,
+                            data_parallel_size=self.data_parallel_size, data_parallel_rank=self.replica,
                             topology=Topology(stages=self.num_stages, stage=self.stage_id))
 
     def train_micro_batch_size_per_gpu(self) -> int:
@@ -172,13 +164,39 @@ class TorchPipeEngine:
         """Call `fn` as the instruction `instruction`: through the map, which the probe times."""
         return self._instructions[instruction](self, call=lambda: fn(*args, **kwargs))
 
-    def _hook(self, owner: Any, method: str, instruction: str) -> None:
-        inner = getattr(owner, method)
 
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            return self.run(instruction, inner, *args, **kwargs)
 
-        setattr(owner, method, timed)  # an instance attribute: the class's method is untouched
+class TorchPipeEngine(ScheduleFace):
+    """One rank's stages, schedule and optimizer, behind the engine face (see the module doc)."""
+
+    def __init__(self, *, stages: list[Any], schedule: Any, optimizer: Any, grid: Grid,
+                 micro_batch_size: int, micro_batches: int, device: Any, schedule_name: str,
+                 gradient_clipping: float = 0.0, last_rank: int) -> None:
+        import torch
+        import torch.distributed as dist
+
+        self.stages, self.schedule, self.optimizer = stages, schedule, optimizer
+        self.global_rank, self.num_stages, self.stage_id = dist.get_rank(), grid.pipe_size, grid.stage
+        """`num_stages`: the pipeline's ranks (the CSV's pipeline_stages); `stage_id`: this rank's
+        place in its pipeline (its first stage)."""
+        self.grid = grid
+        self.device = device
+        self.schedule_name = schedule_name
+        self.module = torch.nn.ModuleList([s.submod for s in stages])
+        self.micro, self.m, self.clip, self.last_rank = micro_batch_size, micro_batches, gradient_clipping, last_rank
+        self.first = any(s.is_first for s in stages)
+        self.last = any(s.is_last for s in stages)
+        self.skipped_steps = 0
+        self._instructions: dict[str, Callable[..., Any]] = {name: _run_call for name in INSTRUCTION_CATEGORY}
+        time_schedule(self, stages, schedule)
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.grid.data_parallel_size
+
+    @property
+    def replica(self) -> int:
+        return self.grid.replica
 
     def train_batch(self, data_iter: Iterator[tuple[Any, Any]] | None = None) -> Any:
         """One optimizer step over `gradient_accumulation_steps` micro-batches, as DeepSpeed's;
@@ -233,7 +251,30 @@ class TorchPipeEngine:
         self.optimizer.zero_grad(set_to_none=True)
 
 
-def _run_call(engine: TorchPipeEngine, *, call: Callable[[], Any]) -> Any:
+def time_schedule(engine: Any, stages: list[Any], schedule: Any) -> None:
+    """Route the stages' and the schedule's work through `engine.run` (see the module doc): the
+    built-in engine's, and a user's own schedule object (autotune/rank/torch_pp/user_schedule.py)."""
+    for stage in stages:
+        _hook(engine, stage, "forward_one_chunk", "ForwardPass")
+        _hook(engine, stage, "backward_one_chunk", "BackwardPass")
+        if hasattr(stage, "backward_weight_one_chunk"):
+            _hook(engine, stage, "backward_weight_one_chunk", "BackwardPass")
+        for method, kind in OPS_KIND.items():
+            _tag_ops(stage, method, kind)
+    _hook(engine, schedule, "_maybe_compute_loss", "ForwardPass")
+    install_p2p_timing(engine)
+
+
+def _hook(engine: Any, owner: Any, method: str, instruction: str) -> None:
+    inner = getattr(owner, method)
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        return engine.run(instruction, inner, *args, **kwargs)
+
+    setattr(owner, method, timed)  # an instance attribute: the class's method is untouched
+
+
+def _run_call(engine: Any, *, call: Callable[[], Any]) -> Any:
     """An instruction's function in the map: the call it was handed (the probe wraps it)."""
     return call()
 
@@ -255,11 +296,11 @@ def _tag_ops(stage: Any, method: str, kind: str) -> None:
     setattr(stage, method, tagged)
 
 
-_ACTIVE: list[TorchPipeEngine] = []
+_ACTIVE: list[Any] = []
 """The engine whose probe times the point-to-point waits (one per trial; the latest)."""
 
 
-def install_p2p_timing(engine: TorchPipeEngine) -> None:
+def install_p2p_timing(engine: Any) -> None:
     """Route `schedules._batch_p2p` and `_wait_batch_p2p` through `engine` (once per process)."""
     from torch.distributed.pipelining import schedules
 

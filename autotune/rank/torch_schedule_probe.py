@@ -1,0 +1,111 @@
+"""Inside a rank of the user's own torch.distributed.pipelining script: what its schedule is.
+
+The start-up check of `autotune run -- torchrun train.py` (autotune/usercmd/job.py) runs the
+script once with the bootstrap in probe mode. A script that pipelines with torch builds its
+`PipelineStage`s and one `Schedule*` object, then calls `schedule.step(...)` in its own loop,
+and never calls `deepspeed.initialize`. The bootstrap (autotune/rank/hook.py `install`)
+patches the two schedule bases of `torch.distributed.pipelining.schedules` as the script
+imports them (`on_schedule_built`, which `autotune watch` uses too: autotune/rank/hook.py), and at
+each schedule object's first `step` call, before any work, the rank writes what it read (`pipeline-schedule-rankR.json`) and
+ends: the class, `n_microbatches`, this rank's stages (their index, the stage count, their
+parameters, the pipeline group's size) and the step's batch where this rank holds it (the
+first stage's input, the last stage's target).
+
+Tuning such a script is issue 43's next step; today the start-up check reports what it read
+and refuses in one line (nothing of the script runs past its first step). Imported only
+where the script imports torch's pipelining: this module itself imports no torch.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from typing import Any
+
+MARKER = "pipeline-schedule"
+"""The marker's kind: `pipeline-schedule-rankR.json` in the probe's folder."""
+EXIT_TORCH_PIPELINE = 46
+"""A probed rank that reached its torch schedule's first step exits with this."""
+MODULE = "torch.distributed.pipelining.schedules"
+BASES = ("PipelineScheduleSingle", "PipelineScheduleMulti")
+"""Every torch schedule class derives from one of these (torch 2.13: GPipe, 1F1B, Interleaved1F1B,
+LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV, and a schedule read from a CSV)."""
+
+
+def on_schedule_built(schedules: Any, built: Any) -> None:
+    """Wrap the bases' __init__ so that `built(schedule)` runs once for each schedule object the
+    script builds, right after its own __init__."""
+    for name in BASES:
+        cls = getattr(schedules, name, None)
+        if cls is None or getattr(cls.__init__, "_autotune_wrapped", False):
+            continue
+        cls.__init__ = _calling_init(cls.__init__, built)
+
+
+def _calling_init(init: Any, built: Any) -> Any:
+    @functools.wraps(init)
+    def wrapped(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        if not self.__dict__.get("_autotune_seen"):  # a subclass's __init__ that ran a base's: once
+            self.__dict__["_autotune_seen"] = True
+            built(self)
+
+    wrapped._autotune_wrapped = True  # type: ignore[attr-defined]
+    return wrapped
+
+
+def patch(schedules: Any, write_marker: Any) -> None:
+    """The start-up check: each schedule object's first `step` reports what it holds and ends the rank."""
+    def built(schedule: Any) -> None:
+        def first_step(*step_args: Any, **step_kwargs: Any) -> Any:
+            write_marker(MARKER, describe(schedule, step_args, step_kwargs))
+            print(f"autotune: the start-up check read a torch.distributed.pipelining schedule "
+                  f"({type(schedule).__name__}); this rank stops before its first step", file=sys.stderr, flush=True)
+            sys.stdout.flush()
+            os._exit(EXIT_TORCH_PIPELINE)  # nothing of the script may run on (it would train for days)
+
+        schedule.step = first_step
+
+    on_schedule_built(schedules, built)
+
+
+def describe(schedule: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """What the schedule object says about the job, as plain JSON."""
+    stages = list(getattr(schedule, "_stages", None) or [getattr(schedule, "_stage", None)])
+    stages = [s for s in stages if s is not None]
+    first = stages[0] if stages else None
+    batch = None
+    if args and hasattr(args[0], "shape") and len(args[0].shape) > 0:
+        batch = int(args[0].shape[0])  # the first stage's input: the step's whole batch
+    elif hasattr(kwargs.get("target"), "shape"):
+        batch = int(kwargs["target"].shape[0])  # the last stage's target
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    group = int(getattr(first, "group_size", world)) if first is not None else world
+    return {
+        "schedule": type(schedule).__name__,
+        "n_microbatches": int(getattr(schedule, "_n_microbatches", 0)),
+        "stage_indices": [int(s.stage_index) for s in stages],
+        "num_stages": int(first.num_stages) if first is not None else None,
+        "stage_parameters": {str(int(s.stage_index)): int(sum(p.numel() for p in s.submod.parameters()))
+                             for s in stages},
+        "pipeline_group_size": group,
+        "world_size": world,
+        "step_batch": batch,
+    }
+
+
+def job_text(markers: list[dict[str, Any]]) -> str:
+    """The job in words, from every rank's marker: stages, per rank, schedule, micro-batches,
+    micro-batch, data-parallel size and parameters."""
+    first = markers[0]
+    params: dict[str, int] = {}
+    for m in markers:
+        params.update(m.get("stage_parameters") or {})
+    batch = next((m["step_batch"] for m in markers if m.get("step_batch")), None)
+    n = int(first.get("n_microbatches") or 0)
+    world, group = int(first.get("world_size") or 1), int(first.get("pipeline_group_size") or 1)
+    micro = f", micro-batch {batch // n} (the step's batch {batch} over {n})" if batch and n and batch % n == 0 else ""
+    return (f"{first.get('num_stages')} stages ({len(first.get('stage_indices') or [])} per rank), schedule "
+            f"{first.get('schedule')}, n_microbatches {n}{micro}, data-parallel {max(1, world // max(1, group))}, "
+            f"{sum(params.values()):,} parameters")

@@ -1,0 +1,61 @@
+"""A user's own torch.distributed.pipelining training script, as torchtitan-style jobs write them.
+
+The model is split by hand into one `PipelineStage` per rank, the schedule class is picked by
+name from the command line, and the script calls `schedule.step(...)` in its own loop. It knows
+nothing of autotune (docs/torch-pipelining.md: what `autotune run -- torchrun ...` reads of it).
+
+    torchrun --nproc-per-node 2 examples/torch_pipeline_train.py --schedule 1F1B --n-microbatches 4
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.distributed as dist
+from torch.distributed.pipelining import PipelineStage, schedules
+
+
+def blocks(layers: int, hidden: int) -> list[torch.nn.Module]:
+    return [torch.nn.Sequential(torch.nn.Linear(hidden, hidden), torch.nn.Tanh()) for _ in range(layers)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--schedule", default="1F1B", help="a torch schedule class, without 'Schedule': GPipe, 1F1B, ...")
+    ap.add_argument("--n-microbatches", type=int, default=4)
+    ap.add_argument("--batch", type=int, default=16, help="samples per step (split into the micro-batches)")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--hidden", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(args.seed)
+    every = blocks(args.layers, args.hidden)  # the same weights on every rank: each keeps its share
+    per = args.layers // world
+    stage = PipelineStage(torch.nn.Sequential(*every[rank * per:(rank + 1) * per]), rank, world, torch.device("cpu"))
+    schedule = getattr(schedules, f"Schedule{args.schedule}")(
+        stage, n_microbatches=args.n_microbatches, loss_fn=torch.nn.functional.mse_loss)
+    optimizer = torch.optim.SGD(stage.submod.parameters(), lr=0.01)
+    data = torch.Generator().manual_seed(args.seed)
+    for step in range(args.steps):
+        x = torch.randn(args.batch, args.hidden, generator=data)
+        y = torch.tanh(x.flip(1))
+        optimizer.zero_grad()
+        if rank == 0:
+            schedule.step(x)
+        elif rank == world - 1:
+            losses: list[torch.Tensor] = []
+            schedule.step(target=y, losses=losses)
+            print(f"step {step} loss {torch.stack(losses).mean().item():.5f}", flush=True)
+        else:
+            schedule.step()
+        optimizer.step()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
