@@ -57,3 +57,20 @@ def test_predict_says_why_a_small_study_has_no_interval(builtin_study, tmp_path)
     assert "needed" in out["interval_missing"] or "one trial" in out["interval_missing"]
     text = autotune_cli("predict", str(builtin_study.study), cwd=tmp_path, timeout=300).stdout
     assert out["interval_missing"] in text
+
+
+def test_no_interval_is_stated_for_another_stage_count_or_dp():
+    """The study's held-out trials all ran its own stages x dp: for another layout the interval is
+    withheld, and the reason names both layouts (a 2-rank study's interval had held 4 of 13 4-rank
+    layouts: benchmarks/model_accuracy.py)."""
+    from autotune.model.render import LeaveOneOut
+    from autotune.model.step_model import Layout
+
+    loo = LeaveOneOut(points=_points([0.1, -0.2, 0.05, 0.3]), trials=5, shape=(2, 1))
+    same = Layout(micro_batch_size=4, gradient_accumulation_steps=8, stages=2, data_parallel_size=1)
+    other = Layout(micro_batch_size=4, gradient_accumulation_steps=4, stages=2, data_parallel_size=2)
+    assert loo.interval(100.0, same) is not None and loo.interval(100.0) is not None
+    assert loo.interval(100.0, other) is None
+    why = loo.why_no_interval(other)
+    assert "2 stages x 2 dp" in why and "ran 2 x 1" in why
+    assert "held-out trial(s)" in loo.why_no_interval(same)  # the other reason, where it is the one

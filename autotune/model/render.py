@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from autotune.core.space import fmt_bucket
 from autotune.model.plan import Plan, PlannedLayout
-from autotune.model.step_model import Calibration, Prediction
+from autotune.model.step_model import Calibration, Layout, Prediction
 from autotune.model.study_model import StudyModel
 
 if TYPE_CHECKING:
@@ -27,6 +27,8 @@ class LeaveOneOut:
     points: list[HeldOut]
     trials: int
     """The study's trials the model was calibrated on."""
+    shape: tuple[int, int] | None = None
+    """(stages, dp) every held-out trial ran: their errors say nothing of another (None: any)."""
 
     @property
     def mape(self) -> float | None:
@@ -34,14 +36,26 @@ class LeaveOneOut:
 
         return mean_abs_error(self.points)
 
-    def interval(self, samples_per_second: float) -> Interval | None:
+    def interval(self, samples_per_second: float, layout: Layout | None = None) -> Interval | None:
+        """The interval around a prediction; None for too few held-out trials, or for a `layout` of
+        another stage count or dp than the study's (`why_no_interval` says which)."""
         from autotune.model.interval import interval
 
+        if self.elsewhere(layout):
+            return None
         return interval(samples_per_second, self.points)
 
-    def why_no_interval(self) -> str:
-        from autotune.model.interval import why_none
+    def elsewhere(self, layout: Layout | None) -> bool:
+        return (layout is not None and self.shape is not None
+                and (layout.stages, layout.data_parallel_size) != self.shape)
 
+    def why_no_interval(self, layout: Layout | None = None) -> str:
+        from autotune.model.interval import LEVEL, why_none
+
+        if self.elsewhere(layout) and self.shape is not None and layout is not None:
+            return (f"no {LEVEL:.0%} interval for {layout.stages} stages x {layout.data_parallel_size} dp: the "
+                    f"study's held-out trials all ran {self.shape[0]} x {self.shape[1]}, so their errors do not "
+                    "cover another layout (docs/model.md)")
         return why_none(self.trials, len(self.points))
 
 
@@ -49,19 +63,21 @@ def leave_one_out(model: StudyModel) -> LeaveOneOut:
     """The model's step-time errors on the study's trials it had not seen."""
     from autotune.model.validation import held_out
 
-    return LeaveOneOut(points=held_out(model), trials=len(model.observations))
+    cal = model.calibration
+    return LeaveOneOut(points=held_out(model), trials=len(model.observations),
+                       shape=(cal.stages, cal.data_parallel_size))
 
 
-def interval_text(loo: LeaveOneOut, samples_per_second: float) -> str:
-    iv = loo.interval(samples_per_second)
+def interval_text(loo: LeaveOneOut, samples_per_second: float, layout: Layout | None = None) -> str:
+    iv = loo.interval(samples_per_second, layout)
     if iv is None:
-        return loo.why_no_interval()
+        return loo.why_no_interval(layout)
     return (f"{iv.level:.0%} interval {iv.low:,.1f}-{iv.high:,.1f} (one launch; from the errors on "
             f"{iv.from_trials} held-out trials)")
 
 
-def interval_dict(loo: LeaveOneOut, samples_per_second: float) -> dict[str, object] | None:
-    iv = loo.interval(samples_per_second)
+def interval_dict(loo: LeaveOneOut, samples_per_second: float, layout: Layout | None = None) -> dict[str, object] | None:
+    iv = loo.interval(samples_per_second, layout)
     if iv is None:
         return None
     return {"level": iv.level, "low": iv.low, "high": iv.high, "from_trials": iv.from_trials}
@@ -93,7 +109,7 @@ def prediction_text(model: StudyModel, p: Prediction, loo: LeaveOneOut) -> str:
     cal = model.calibration
     lines = [f"predicted: {_layout_text(p)}",
              f"  samples/s   {p.samples_per_second:,.1f}  (step {p.step_seconds * 1000:.1f} ms)",
-             f"              {interval_text(loo, p.samples_per_second)}"]
+             f"              {interval_text(loo, p.samples_per_second, p.layout)}"]
     seen = measured_match(model, p)
     if seen is not None:
         lines.append(f"  measured    {seen.samples_per_second:,.1f} in trial {seen.trial} "
@@ -123,10 +139,10 @@ def prediction_text(model: StudyModel, p: Prediction, loo: LeaveOneOut) -> str:
 def prediction_dict(model: StudyModel, p: Prediction, loo: LeaveOneOut) -> dict[str, object]:
     seen = measured_match(model, p)
     err, n = loo.mape, len(loo.points)
-    iv = interval_dict(loo, p.samples_per_second)
+    iv = interval_dict(loo, p.samples_per_second, p.layout)
     return {"layout": dataclasses.asdict(p.layout) | {"parts": p.parts},
             "samples_per_second": p.samples_per_second,
-            "samples_per_second_interval": iv, "interval_missing": None if iv else loo.why_no_interval(),
+            "samples_per_second_interval": iv, "interval_missing": None if iv else loo.why_no_interval(p.layout),
             "step_seconds": p.step_seconds,
             "terms_seconds": {k: p.terms.get(k, 0.0) for k in TERM_ORDER},
             "bubble_fraction": p.bubble_fraction,
@@ -160,8 +176,10 @@ def plan_intervals(plan: Plan, loo: LeaveOneOut | None) -> tuple[list[Interval |
         return [None] * len(plan.ranked), None
     if plan.cluster.hardware is not None:
         return [None] * len(plan.ranked), PRESET_NO_INTERVAL
-    ivs = [loo.interval(x.samples_per_second) for x in plan.ranked]
-    return ivs, None if any(ivs) or not ivs else loo.why_no_interval()
+    ivs = [loo.interval(x.samples_per_second, x.layout) for x in plan.ranked]
+    if any(ivs) or not ivs:
+        return ivs, None
+    return ivs, loo.why_no_interval(plan.ranked[0].layout)
 
 
 def plan_text(plan: Plan, top: int, loo: LeaveOneOut | None = None) -> str:
