@@ -29,6 +29,9 @@ from typing import TYPE_CHECKING
 from autotune.core.rank_plan import RankPlan
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from autotune.core.schema import StepRecord
     from autotune.core.step_budget import StepBudget
     from autotune.rank.instrument import PipelineProbe
     from autotune.rank.layer_costs import LayerCostSink
@@ -72,7 +75,7 @@ class RankWiring:
     """When the steps end (autotune/core/step_budget.py StepBudget); None: the job's own loop decides."""
     cost_steps: int = 0
     """Steps of the layer-cost block still to run after the measured ones (0: none)."""
-    _costing: tuple[LayerCostSink, list, object] | None = None
+    _costing: tuple[LayerCostSink, list, Callable[[StepRecord], None] | None] | None = None
     """The block in progress: its sink, and the probe's sinks and step listener held aside meanwhile."""
 
     def go_on(self) -> bool:
