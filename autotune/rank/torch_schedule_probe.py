@@ -70,16 +70,25 @@ def patch(schedules: Any, write_marker: Any) -> None:
     on_schedule_built(schedules, built)
 
 
+def schedule_stages(schedule: Any) -> list[Any]:
+    """The stages a schedule object runs on this rank: `_stages` (Multi) or `_stage` (Single)."""
+    found = getattr(schedule, "_stages", None) or [getattr(schedule, "_stage", None)]
+    return [s for s in found if s is not None]
+
+
+def step_batch(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
+    """The step's batch where this rank holds it: the first stage's input, the last stage's target
+    (a middle stage's `step()` gets neither)."""
+    if args and hasattr(args[0], "shape") and len(args[0].shape) > 0:
+        return int(args[0].shape[0])
+    target = kwargs.get("target")
+    return int(target.shape[0]) if hasattr(target, "shape") and len(target.shape) > 0 else None
+
+
 def describe(schedule: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
     """What the schedule object says about the job, as plain JSON."""
-    stages = list(getattr(schedule, "_stages", None) or [getattr(schedule, "_stage", None)])
-    stages = [s for s in stages if s is not None]
+    stages = schedule_stages(schedule)
     first = stages[0] if stages else None
-    batch = None
-    if args and hasattr(args[0], "shape") and len(args[0].shape) > 0:
-        batch = int(args[0].shape[0])  # the first stage's input: the step's whole batch
-    elif hasattr(kwargs.get("target"), "shape"):
-        batch = int(kwargs["target"].shape[0])  # the last stage's target
     world = int(os.environ.get("WORLD_SIZE", "1"))
     group = int(getattr(first, "group_size", world)) if first is not None else world
     return {
@@ -91,7 +100,7 @@ def describe(schedule: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> di
                              for s in stages},
         "pipeline_group_size": group,
         "world_size": world,
-        "step_batch": batch,
+        "step_batch": step_batch(args, kwargs),
     }
 
 

@@ -165,7 +165,6 @@ class ScheduleFace:
         return self._instructions[instruction](self, call=lambda: fn(*args, **kwargs))
 
 
-
 class TorchPipeEngine(ScheduleFace):
     """One rank's stages, schedule and optimizer, behind the engine face (see the module doc)."""
 

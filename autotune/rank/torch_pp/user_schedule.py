@@ -32,6 +32,7 @@ from autotune.rank.torch_pp.engine import (
     _run_call,
     time_schedule,
 )
+from autotune.rank.torch_schedule_probe import schedule_stages, step_batch
 
 
 class ScheduleSteps:
@@ -58,8 +59,7 @@ class UserSchedule(ScheduleFace):
         import torch.distributed as dist
 
         self.schedule = schedule
-        self.stages = [s for s in (getattr(schedule, "_stages", None) or [getattr(schedule, "_stage", None)])
-                       if s is not None]
+        self.stages = schedule_stages(schedule)
         first = self.stages[0]
         self.global_rank = dist.get_rank()
         world = dist.get_world_size()
@@ -99,7 +99,7 @@ class UserSchedule(ScheduleFace):
         if not self._begun:  # the first step from its own start; each later one from the last's end
             self._begun = True
             self.steps.begin()
-        batch = _batch(args, kwargs)
+        batch = step_batch(args, kwargs)
         if batch and self.m:
             self.micro = batch // self.m
         out = self._own_step(*args, **kwargs)
@@ -110,10 +110,3 @@ class UserSchedule(ScheduleFace):
         self.steps.begin()
         return out
 
-
-def _batch(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
-    """The step's batch where this rank holds it: the first stage's input, the last stage's target."""
-    if args and hasattr(args[0], "shape") and len(args[0].shape) > 0:
-        return int(args[0].shape[0])
-    target = kwargs.get("target")
-    return int(target.shape[0]) if hasattr(target, "shape") and len(target.shape) > 0 else None
