@@ -45,9 +45,9 @@ def _losses(text: str) -> list[float]:
 
 @pytest.mark.slow
 def test_watch_instruments_the_users_schedule_and_leaves_its_training_unchanged(tmp_path):
-    """`autotune watch -- torchrun ...` on the unmodified script: every step of its own loop is a CSV
-    row with the pipeline's layout read from its objects, the point-to-point time split out, and
-    the loss the last stage computed. Parity: fp32, the same seed: the losses it prints under watch
+    """`autotune watch -- torchrun ...` on the unmodified script, 3 ranks: every step of its own loop is
+    a CSV row with the pipeline's layout read from its objects (the middle stage, whose `step()`
+    gets no batch, too), the point-to-point time split out, and the loss the last stage computed. Parity: fp32, the same seed: the losses it prints under watch
     are the losses it prints alone (the instrumentation only times; tolerance 1e-6 relative)."""
     import csv
     import subprocess
@@ -56,28 +56,29 @@ def test_watch_instruments_the_users_schedule_and_leaves_its_training_unchanged(
 
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
            "OMP_NUM_THREADS": "1"}
-    script = [str(SCRIPT), "--schedule", "1F1B", "--n-microbatches", "4", "--batch", "16", "--steps", "8"]
-    alone = subprocess.run(["torchrun", "--nproc-per-node", "2", "--master-port", str(free_port()), *script], cwd=tmp_path,
+    script = [str(SCRIPT), "--schedule", "1F1B", "--n-microbatches", "4", "--batch", "16", "--steps", "8",
+              "--layers", "6"]
+    alone = subprocess.run(["torchrun", "--nproc-per-node", "3", "--master-port", str(free_port()), *script], cwd=tmp_path,
                            capture_output=True, text=True, timeout=300, env=env)
     assert alone.returncode == 0, alone.stderr[-2000:]
     proc = autotune_cli("watch", "--out", str(tmp_path / "w"), "--no-metrics", "--warmup-steps", "1", "--",
-                        "torchrun", "--nproc-per-node", "2", *script, cwd=tmp_path, env=env, timeout=300)
+                        "torchrun", "--nproc-per-node", "3", *script, cwd=tmp_path, env=env, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert ("the job: a torch.distributed.pipelining schedule, Schedule1F1B: 2 pipeline ranks x 1 data-parallel, "
+    assert ("the job: a torch.distributed.pipelining schedule, Schedule1F1B: 3 pipeline ranks x 1 data-parallel, "
             "n_microbatches 4") in proc.stdout
     run = tmp_path / "w" / "run-001"
     own, watched = _losses(alone.stdout), _losses((run / "launcher.log").read_text())
     assert len(own) == len(watched) == 8
     assert watched == pytest.approx(own, rel=1e-6)
-    for rank in (0, 1):
+    for rank in (0, 1, 2):
         rows = list(csv.DictReader((run / f"metrics-rank{rank}.csv").open()))
         assert [int(r["step"]) for r in rows] == list(range(8)) and [r["warmup"] for r in rows].count("1") == 1
         assert {(r["stage"], r["pipeline_stages"], r["micro_batch_size"], r["gradient_accumulation_steps"],
-                 r["data_parallel_size"]) for r in rows} == {(str(rank), "2", "4", "4", "1")}
+                 r["data_parallel_size"]) for r in rows} == {(str(rank), "3", "4", "4", "1")}
         assert all(float(r["step_seconds"]) > float(r["compute_seconds"]) > 0 for r in rows)
         assert all(float(r["p2p_seconds"]) > 0 for r in rows)  # the stages' sends and receives, timed
         logged = [float(r["loss"]) for r in rows if r["loss"]]
-        if rank == 1:  # the last stage computes the loss
+        if rank == 2:  # the last stage computes the loss
             assert logged == pytest.approx(own, rel=1e-4)
         else:
             assert logged == []

@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from autotune.core.trace_labels import FORWARD
 from autotune.rank.step_boundary import ATTRIBUTE
 from autotune.rank.torch_pp.engine import (
     INSTRUCTION_CATEGORY,
@@ -71,7 +72,8 @@ class UserSchedule(ScheduleFace):
         self.module = torch.nn.ModuleList([s.submod for s in self.stages])
         self.m = int(getattr(schedule, "_n_microbatches", 1))
         self.micro = 0
-        """Samples per micro-batch: known from the first step's batch (0 before it)."""
+        """Samples per micro-batch: from the first step's batch on the first and last stages, from the
+        first forward's output on a middle one (whose `step()` gets no batch); 0 before either."""
         self.schedule_name = type(schedule).__name__
         self.first = any(s.is_first for s in self.stages)
         self.last = any(s.is_last for s in self.stages)
@@ -83,6 +85,12 @@ class UserSchedule(ScheduleFace):
         self._own_step = schedule.step
         self._begun = False
         schedule.step = self._step  # an instance attribute: the class's step is untouched
+
+    def run(self, instruction: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        out = super().run(instruction, fn, *args, **kwargs)
+        if not self.micro and instruction == FORWARD:  # a middle stage: its output's rows are the micro-batch
+            self.micro = _leading_size(out) or 0
+        return out
 
     @property
     def data_parallel_size(self) -> int:
@@ -110,3 +118,9 @@ class UserSchedule(ScheduleFace):
         self.steps.begin()
         return out
 
+
+def _leading_size(out: Any) -> int | None:
+    """The first dimension of a forward's output (a tensor, or the first of a tuple of them)."""
+    first = out[0] if isinstance(out, (tuple, list)) and out else out
+    shape = getattr(first, "shape", None)
+    return int(shape[0]) if shape is not None and len(shape) > 0 else None
