@@ -13,11 +13,25 @@ import argparse
 
 import torch
 import torch.distributed as dist
+import torch.utils.checkpoint
 from torch.distributed.pipelining import PipelineStage, schedules
 
 
 def blocks(layers: int, hidden: int) -> list[torch.nn.Module]:
     return [torch.nn.Sequential(torch.nn.Linear(hidden, hidden), torch.nn.Tanh()) for _ in range(layers)]
+
+
+class Checkpointed(torch.nn.Module):
+    """A stage's blocks with activation checkpointing: each block's activations recomputed in the backward."""
+
+    def __init__(self, inner: torch.nn.Sequential) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.inner:
+            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+        return x
 
 
 def main() -> None:
@@ -29,6 +43,8 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--activation-checkpoint", type=int, choices=(0, 1), default=0,
+                    help="1: recompute each block's activations in the backward")
     args = ap.parse_args()
 
     dist.init_process_group("gloo")
@@ -36,9 +52,13 @@ def main() -> None:
     torch.manual_seed(args.seed)
     every = blocks(args.layers, args.hidden)  # the same weights on every rank: each keeps its share
     per = args.layers // world
-    stage = PipelineStage(torch.nn.Sequential(*every[rank * per:(rank + 1) * per]), rank, world, torch.device("cpu"))
-    schedule = getattr(schedules, f"Schedule{args.schedule}")(
-        stage, n_microbatches=args.n_microbatches, loss_fn=torch.nn.functional.mse_loss)
+    mine: torch.nn.Module = torch.nn.Sequential(*every[rank * per:(rank + 1) * per])
+    if args.activation_checkpoint:
+        mine = Checkpointed(mine)
+    stage = PipelineStage(mine, rank, world, torch.device("cpu"))
+    kind = getattr(schedules, f"Schedule{args.schedule}")
+    held = [stage] if issubclass(kind, schedules.PipelineScheduleMulti) else stage  # Multi: a list of stages
+    schedule = kind(held, n_microbatches=args.n_microbatches, loss_fn=torch.nn.functional.mse_loss)
     optimizer = torch.optim.SGD(stage.submod.parameters(), lr=0.01)
     data = torch.Generator().manual_seed(args.seed)
     for step in range(args.steps):

@@ -121,3 +121,10 @@ def usercmd_study(tmp_path_factory):
 
     return run_usercmd_study(tmp_path_factory.mktemp("usercmd-study"))
 
+
+
+@pytest.fixture(scope="session")
+def torch_script_study(tmp_path_factory):
+    from shared_studies import run_torch_script_study
+
+    return run_torch_script_study(tmp_path_factory.mktemp("torch-script-study"))

@@ -15,6 +15,9 @@ value (folders, exit code, output); a test that changes a study works on `copy_s
   (ZeRO-2, 2 data-parallel ranks, warm workers), budget 6: the ZeRO sweep, then the search.
 - `usercmd_zero_study`: `autotune run -- deepspeed examples/zero_train_dict.py ...`, the user's own
   plain-engine ZeRO-2 script with its config built in code, unchanged, budget 2.
+- `torch_script_study`: `autotune run -- torchrun examples/torch_pipeline_train.py --schedule GPipe ...`,
+  the user's own torch.distributed.pipelining script unchanged (no DeepSpeed), budget 6: the
+  schedule sweep, then the search over n_microbatches.
 - `hf_trainer_study`: `autotune run -- deepspeed examples/hf_trainer_train.py --deepspeed ds.json ...`,
   a real HF Trainer (tiny GPT-2 from a config) whose config is all "auto" batch values, budget 4.
 """
@@ -180,6 +183,26 @@ def run_hf_trainer_study(root: Path) -> SharedStudy:
                "--save_strategy", "no", "--use_cpu", "--disable_tqdm", "true")
     return _run(root, "--budget", "4", "--zero-stages", "0", "--steps", "2", "--warmup-steps", "1",
                 "--fixed-steps", "--trial-timeout", "600", "--no-metrics", command=command, env=user_env())
+
+
+TORCH_SCRIPT = EXAMPLES / "torch_pipeline_train.py"
+TORCH_OWN = ("GPipe", 2, 16)
+"""The torch script's own schedule, n_microbatches and step's batch (its flags)."""
+TORCH_BUDGET = 7
+TORCH_KNOB = "activation_checkpoint:0,1=--activation-checkpoint {value}"
+"""The script's own activation-checkpointing flag, mapped as a knob (docs/user-script.md)."""
+
+
+def run_torch_script_study(root: Path) -> SharedStudy:
+    """The user's torch pipelining script through `torchrun` on 2 ranks (a stage each), unchanged,
+    budget TORCH_BUDGET (the baseline, four schedules, the checkpoint knob, one search trial), 2
+    measured steps each."""
+    schedule, n, batch = TORCH_OWN
+    command = ("torchrun", "--nproc-per-node", "2", str(TORCH_SCRIPT), "--schedule", schedule,
+               "--n-microbatches", str(n), "--batch", str(batch), "--steps", "100000",
+               "--activation-checkpoint", "0")
+    return _run(root, "--budget", str(TORCH_BUDGET), "--steps", "2", "--warmup-steps", "1", "--fixed-steps",
+                "--trial-timeout", "300", "--no-metrics", "--knob", TORCH_KNOB, command=command, env=user_env())
 
 
 def copy_study(shared: SharedStudy, dest: Path) -> Path:

@@ -194,3 +194,11 @@ def test_torch_schedules(tmp_path):
     out = run([sys.executable, "benchmarks/torch_schedules.py", "--quick", "--out", str(tmp_path)], timeout=900)
     figure(out, r"^1F1B\s+2\s+([\d.]+)", 1, 1e6)  # the landscape's row: samples/s
     figure(out, r"gain of the tuned schedule and count over the config's 1F1B: ([\d.]+)x", 0.05, 100)
+
+
+def test_torch_script_gain(tmp_path):
+    venv_bin = os.path.dirname(sys.executable)  # the study's `torchrun` is the one next to this Python
+    out = run([sys.executable, "-m", "benchmarks.torch_script_gain", "--quick", "--out", str(tmp_path)], timeout=900,
+              env={"PATH": f"{venv_bin}{os.pathsep}{os.environ.get('PATH', '')}", "OMP_NUM_THREADS": "1"})
+    figure(out, r"wall / steps ([\d.]+)x", 1, 1000)
+    figure(out, r"^tuned / own: ([\d.]+)x", 0.05, 100)

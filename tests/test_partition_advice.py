@@ -300,3 +300,22 @@ def test_the_scripts_own_partition_predicted_as_good_reads_keep_what_you_have(tm
     line = describe_result(info)
     assert "keep what you have" in line and "nothing to change in the code" in line
     assert "use PipelineModule(" not in line
+
+
+def test_a_torch_pipelining_scripts_imbalance_is_advised_as_a_move_between_its_own_stages(tmp_path):
+    """Issue 43: the bootstrap's engine marker says the metrics are a torch.distributed.pipelining
+    script's; it has no PipelineModule, so no partition_method advice: the move of work between its
+    stages, saying where such a script splits its model."""
+    from autotune.advisor.bottleneck import SPLIT_BY_SCRIPT
+
+    deepspeed = metrics_folder(tmp_path / "ds", [1.4, 0.5])
+    assert partition_changes(advise(deepspeed))["bubble-above-ideal"]  # the same metrics under DeepSpeed: advised
+    torch = metrics_folder(tmp_path / "torch", [1.4, 0.5])
+    (torch / "engine-rank0.json").write_text(json.dumps({"rank": 0, "pipeline": True, "deepspeed": False,
+                                                         "torch_pipelining": True}))
+    data = advise(torch)
+    assert partition_changes(data) == {"bubble-above-ideal": [], "stage-imbalance": []}
+    imbalance = next(f for f in data["findings"] if f["rule_id"] == "stage-imbalance" and f["status"] == "fired")
+    moves = [c for c in imbalance["changes"] if c["target"].startswith("pipeline stage")]
+    assert len(moves) == 1 and moves[0]["target"] == "pipeline stage 0" and SPLIT_BY_SCRIPT in moves[0]["note"]
+    assert "to stage 1" in moves[0]["new"]

@@ -1,39 +1,98 @@
-"""The user's own torch.distributed.pipelining script at the start-up check (issue 43, first step).
+"""The user's own torch.distributed.pipelining script, unchanged (issue 43).
 
-examples/torch_pipeline_train.py, unmodified, through `autotune run -- torchrun ...`: the
-bootstrap reads the schedule object the script builds (autotune/rank/torch_schedule_probe.py)
-and stops every rank before its first step; the run says what it read and that such a script
-cannot be tuned yet, in one line and exit 2, where it used to fail as `no_engine`."""
+examples/torch_pipeline_train.py through `autotune run -- torchrun ...` (the shared study,
+tests/shared_studies.py) and `autotune watch -- torchrun ...`: the bootstrap reads the schedule
+object the script builds (autotune/rank/torch_schedule_probe.py), builds each trial's schedule in
+its place, and times it behind the engine face (autotune/rank/torch_pp/user_schedule.py)."""
 
 from __future__ import annotations
 
+import csv
+import json
 import os
 import sys
 from pathlib import Path
 
 import pytest
 from launch_helpers import autotune_cli
+from shared_studies import TORCH_BUDGET, TORCH_OWN
 
 SCRIPT = Path(__file__).resolve().parent.parent / "examples" / "torch_pipeline_train.py"
 
 
 @pytest.mark.slow
-def test_the_start_up_check_reads_a_torch_pipelining_script_and_refuses_in_one_line(tmp_path):
-    env = {"PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}", "OMP_NUM_THREADS": "1"}
-    proc = autotune_cli("run", "--budget", "2", "--study", str(tmp_path / "st"), "--",
-                        "torchrun", "--nproc-per-node", "2", str(SCRIPT), "--schedule", "GPipe",
-                        "--n-microbatches", "4", "--batch", "24", "--layers", "6", cwd=tmp_path, env=env, timeout=300)
-    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("autotune: error:"), proc.stderr
-    line = lines[0]
-    assert "Traceback" not in proc.stderr and "no_engine" not in line
-    parameters = 6 * (64 * 64 + 64)  # the script's six Linear(64, 64) layers, over both stages
-    for read in ("2 stages (1 per rank)", "schedule ScheduleGPipe", "n_microbatches 4",
-                 "micro-batch 6 (the step's batch 24 over 4)", "data-parallel 1", f"{parameters:,} parameters",
-                 "issue 43"):
-        assert read in line, (read, line)
-    assert not (tmp_path / "st").exists()
+def test_a_torch_pipelining_script_is_tuned_unchanged(torch_script_study):
+    """The shared study: the start-up check read the script's schedule; the schedule sweep ran each
+    class that fits one stage per rank, each built in place of the script's (its marker says so),
+    the step's batch fixed (micro x n_microbatches = 16 in every trial); the result is
+    best_schedule.json, no ds_config; nothing left running."""
+    st = torch_script_study
+    assert st.returncode == 0, st.output[-3000:]
+    schedule, n, batch = TORCH_OWN
+    parameters = 4 * (64 * 64 + 64)  # the script's four Linear(64, 64) layers, over both stages
+    assert (f"the job: a torch.distributed.pipelining script; 2 stages (1 per rank), schedule Schedule{schedule}, "
+            f"n_microbatches {n}, micro-batch {batch // n} (the step's batch {batch} over {n}), data-parallel 1, "
+            f"{parameters:,} parameters") in st.stdout
+    summary = json.loads((st.study / "summary.json").read_text())
+    trials = summary["trials"]
+    assert len(trials) == TORCH_BUDGET and all(t["status"] == "ok" for t in trials), trials
+    assert all(t["micro_batch_size"] * t["gradient_accumulation_steps"] == batch for t in trials)
+    swept, kept = {}, json.loads((st.study / "knobs.json").read_text())["kept"]
+    for t in trials:
+        folder = st.study / f"trial-{t['trial']:03d}"
+        ran = json.loads((folder / "engine-rank0.json").read_text())
+        assert ran["script_schedule"] == f"Schedule{schedule}" and ran["deepspeed"] is False
+        assert ran["micro_batches"] == t["gradient_accumulation_steps"]  # the trial's count, not the script's
+        if t["source"].startswith("knob:schedule="):
+            swept[t["source"].split("=", 1)[1]] = ran["engine"]
+        if t["source"] == "knob:activation_checkpoint=1":  # the script's own flag, after the schedule's sweep
+            assert ran["engine"] == f"Schedule{kept['schedule']}"
+            assert json.loads((folder / "knobs.json").read_text()) == {"schedule": kept["schedule"],
+                                                                        "activation_checkpoint": "1"}
+    assert trials[0]["source"] == "baseline" and trials[0]["gradient_accumulation_steps"] == n
+    assert swept == {name: f"Schedule{name}" for name in ("1F1B", "Interleaved1F1B", "LoopedBFS",
+                                                          "InterleavedZeroBubble")}
+    assert [t["source"] for t in trials].count("knob:activation_checkpoint=1") == 1
+    assert not (st.study / "best_ds_config.json").exists()
+    result = json.loads((st.study / "best_schedule.json").read_text())
+    best = summary["best"]
+    assert result["n_microbatches"] == best["gradient_accumulation_steps"] and result["trial"] == best["trial"]
+    ran = json.loads((st.study / f"trial-{best['trial']:03d}" / "engine-rank0.json").read_text())
+    assert ran["engine"] == result["schedule_class"].rsplit(".", 1)[1]  # the file names what the best ran
+    assert result["script_own"] == {"schedule": schedule, "n_microbatches": n}
+    assert result["command"].startswith("torchrun --nproc-per-node 2 ")
+    checkpoint = result["knobs"]["activation_checkpoint"]  # the best's value, in the command to run
+    assert checkpoint in ("0", "1") and result["command"].endswith(f"--activation-checkpoint {checkpoint}")
+    assert "wrote " in st.stdout and "best_schedule.json" in st.stdout and "in the script: " in st.stdout
+    report = (st.study / "report.md").read_text()
+    assert "As the script's schedule: `" in report and f"schedule {schedule}, n_microbatches {n}" in report
+    for t in trials:  # the probe's columns, as for the built-in torch engine (the bubble is derived from them)
+        rows = list(csv.DictReader((st.study / f"trial-{t['trial']:03d}" / "metrics-rank0.csv").open()))
+        assert rows and all(float(r["step_seconds"]) > float(r["compute_seconds"]) > 0 for r in rows)
+        assert all(float(r["p2p_seconds"]) > 0 and r["gradient_accumulation_steps"] ==
+                   str(t["gradient_accumulation_steps"]) for r in rows)
+    assert st.alive_after == []
+
+
+@pytest.mark.slow
+def test_the_baseline_trial_trains_as_the_script_alone(torch_script_study, tmp_path):
+    """Parity in a trial: the baseline runs the script's own schedule object (nothing substituted);
+    its losses (fp32, same seed) are the script's alone, to 1e-6 relative."""
+    import subprocess
+
+    from autotune.trials.launcher import free_port
+
+    st = torch_script_study
+    logged = _losses((st.study / "trial-000" / "launcher.log").read_text())
+    assert len(logged) >= 2  # warm-up + measured steps; the last one's print never runs (the rank stops in it)
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+           "OMP_NUM_THREADS": "1"}
+    argv = list(st.command)
+    argv[argv.index("--steps") + 1] = str(len(logged))
+    alone = subprocess.run([argv[0], "--master-port", str(free_port()), *argv[1:]], cwd=tmp_path,
+                           capture_output=True, text=True, timeout=300, env=env)
+    assert alone.returncode == 0, alone.stderr[-2000:]
+    assert logged == pytest.approx(_losses(alone.stdout), rel=1e-6)
 
 
 def _losses(text: str) -> list[float]:

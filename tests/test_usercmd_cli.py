@@ -239,5 +239,5 @@ def test_cli_a_built_in_workload_option_with_a_command_is_refused_not_dropped(jo
     lines = result.output.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0], result.output
     assert "start-up check: running" not in result.output and "Traceback" not in result.output
-    assert ("issue 43" in lines[0]) == any(o in options for o in ("--engine", "--schedule", "--virtual-stages"))
+    assert ("sweep the schedule classes" in lines[0]) == any(o in options for o in ("--engine", "--schedule", "--virtual-stages"))
     assert not (job / "st").exists()

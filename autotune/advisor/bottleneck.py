@@ -10,6 +10,7 @@ what to run to learn them, never a placeholder.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,15 @@ MEASURE = "autotune run --balance-stages -- deepspeed ... (the job's own command
 """What measures the layers' classes and costs of a job and computes its partition."""
 
 
+SPLIT_BY_SCRIPT = ("a torch.distributed.pipelining script splits its model itself (the submodule of each "
+                   "PipelineStage it builds, or pipeline()'s split points): move layers there; it has no "
+                   "PipelineModule partition_method")
+
+
 def bottleneck_change(move: Move, s: SignalSet, raw: dict[str, Any] | None) -> Change | None:
+    if split_by_script(s):  # no PipelineModule: only the move of work between its stages applies
+        change = rebalance_stage(s) if move.compute == "rebalance_stage" else None
+        return dataclasses.replace(change, note=f"{change.note}; {SPLIT_BY_SCRIPT}") if change else None
     if move.compute == "other_partition_method":
         return other_partition_method(s, raw)
     if move.compute == "rebalance_stage":
@@ -146,6 +155,27 @@ def measured_parts(s: SignalSet) -> Change | None:
             f"{imbalance(new_t):.2f}; {moved}; DeepSpeed's methods cannot take a parts list: "
             "autotune run tries it, or use the nearest type:/uniform setting")
     return Change(kind="advice", target="PipelineModule parts", current=list(lc.parts), new=new, note=note)
+
+
+def split_by_script(s: SignalSet) -> bool:
+    """The metrics are a torch.distributed.pipelining script's: the bootstrap's engine marker beside
+    them says so (autotune/rank/hook.py `schedule_built`)."""
+    folders = dict.fromkeys(Path(p).parent for p in s.sources)
+    markers = sorted(f for d in folders for f in d.glob(ENGINE_MARKER_GLOB))
+    return _torch_markers(tuple((str(f), _mtime(f)) for f in markers))
+
+
+@functools.lru_cache(maxsize=16)
+def _torch_markers(files: tuple[tuple[str, int], ...]) -> bool:
+    import json
+
+    for f, _ in files:
+        try:
+            if json.loads(Path(f).read_text(encoding="utf-8")).get("torch_pipelining") is True:
+                return True
+        except (OSError, ValueError, AttributeError):
+            continue
+    return False
 
 
 # -- type:REGEX over the model's own layer classes -------------------------------------------------

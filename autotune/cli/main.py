@@ -82,6 +82,10 @@ def _print_outcome(results: StudyResults, study: str) -> None:
         f" -> {best.samples_per_second:.1f} samples/s"
         + (f" (mean of {best.repeats} runs)" if best.repeats > 1 else "")
     )
+    schedule = _torch_result(results, study)
+    if schedule:  # a torch pipelining script: no ds_config, its schedule and count
+        click.echo(f"in the script: {schedule['in_the_script']} (its own: {schedule['script_own']['schedule']}, "
+                   f"n_microbatches {schedule['script_own']['n_microbatches']}); the command: {schedule['command']}")
     if results.trainer_args:  # an HF Trainer job: its batch lives in its arguments
         click.echo(f"as the Trainer's arguments: {results.trainer_args} (with best_ds_config.json as --deepspeed)")
     if base and base.samples_per_second and results.speedup:
@@ -92,7 +96,24 @@ def _print_outcome(results: StudyResults, study: str) -> None:
     partition = describe_result(results.partition)  # --balance-stages: what the code needs
     if partition:
         click.echo(partition)
-    click.echo(f"wrote {study}/best_ds_config.json, {study}/summary.json, {study}/report.md")
+    result = "best_schedule.json" if schedule else "best_ds_config.json"
+    click.echo(f"wrote {study}/{result}, {study}/summary.json, {study}/report.md")
+
+
+def _torch_result(results: StudyResults, study: str) -> dict | None:
+    """A torch pipelining script's best_schedule.json (autotune/usercmd/torch_job.py), else None."""
+    import json
+    from pathlib import Path
+
+    from autotune.usercmd.torch_job import RESULT_FILE, TORCH
+
+    if (results.user_command or {}).get("engine") != TORCH:
+        return None
+    try:
+        found = json.loads((Path(study) / RESULT_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return found if isinstance(found, dict) else None
 
 
 def _register_commands() -> None:

@@ -53,13 +53,19 @@ class BootstrapSettings(JsonForm):
     """A script that builds its DeepSpeed config in code: the trial's ds_config.json, handed to
     `deepspeed.initialize` in place of the script's own (`config=`); None: the command names the
     file, and the trial's is in its place on the command line."""
+    schedule: str | None = None
+    n_microbatches: int | None = None
+    """A trial of a torch.distributed.pipelining script: the schedule class (autotune's name, the
+    torch class without `Schedule`) and micro-batch count it runs in place of the script's own
+    (rank/torch_schedule_probe.py `substitute`); None: the script's."""
 
     @property
     def total_steps(self) -> int:
         return self.plan.total_steps
 
     def to_dict(self) -> dict[str, Any]:
-        return {"plan": self.plan.to_dict(), "mode": self.mode, "ds_config": self.ds_config}
+        return {"plan": self.plan.to_dict(), "mode": self.mode, "ds_config": self.ds_config,
+                "schedule": self.schedule, "n_microbatches": self.n_microbatches}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> BootstrapSettings:
@@ -93,7 +99,7 @@ def install(settings: BootstrapSettings) -> None:
 
     if settings.mode == MODE_PROBE:  # its schedule read and reported, the rank ended before its first step
         _patch_on_import(tsp.MODULE, lambda module: tsp.patch(module, state.write_marker))
-    elif settings.mode == MODE_WATCH:  # its schedule instrumented (trials: issue 43's next step)
+    else:  # its schedule instrumented (a trial's: the trial's class and count in its place)
         _patch_on_import(tsp.MODULE, lambda module: tsp.on_schedule_built(module, state.schedule_built))
     atexit.register(state.on_normal_exit)
 
@@ -176,6 +182,8 @@ class _RankState:
         instrumented (its budget None in watch mode)."""
         self.watchdog: Any = None
         """This rank's stall watchdog (autotune/rank/watchdog.py); None in watch mode."""
+        self.torch_schedule = False
+        """The engine is a torch.distributed.pipelining schedule of the script's (no DeepSpeed)."""
 
     def write_marker(self, kind: str, payload: dict[str, Any]) -> None:
         path = marker_path(self.settings.plan.trial_dir, kind, self.rank)
@@ -184,21 +192,45 @@ class _RankState:
         tmp.replace(path)  # the controller never reads half a marker
 
     def schedule_built(self, schedule: Any) -> None:
-        """A torch.distributed.pipelining schedule object of the script's (watch mode): the first is
-        the one watched, behind the engine face (autotune/rank/torch_pp/user_schedule.py)."""
+        """A torch.distributed.pipelining schedule object of the script's: the first is the one
+        instrumented, behind the engine face (autotune/rank/torch_pp/user_schedule.py). A trial's
+        schedule runs in its place: the script's object calls the trial's `step`."""
         if self.engine is not None:
             return
         from autotune.rank.torch_pp.user_schedule import UserSchedule
+        from autotune.rank.torch_schedule_probe import substitute
         from autotune.rank.wiring import wire
 
-        face = UserSchedule(schedule)
-        self.engine = face
+        script_class = type(schedule).__name__
+        run = substitute(schedule, self.settings.schedule, self.settings.n_microbatches)
+        face = UserSchedule(run)
+        if run is not schedule:
+            schedule.step = run.step  # the face's timed step (an instance attribute of the script's object)
+        self.engine, self.torch_schedule = face, True
         self.write_marker("engine", {
             "engine": face.schedule_name, "pipeline": True, "deepspeed": False, "torch_pipelining": True,
-            "stages": face.num_stages, "stage": face.stage_id, "dp": face.data_parallel_size,
-            "dp_rank": face.replica, "micro_batches": face.m,
+            "script_schedule": script_class, "stages": face.num_stages, "stage": face.stage_id,
+            "dp": face.data_parallel_size, "dp_rank": face.replica, "micro_batches": face.m,
             "parameters": int(sum(p.numel() for p in face.module.parameters()))})
-        self.wiring = wire(face, self.settings.plan, budget=False)
+        watching = self.settings.mode == MODE_WATCH
+        self.wiring = wire(face, self.settings.plan, budget=not watching)
+        if not watching:
+            self._stop_after_budget(face)
+
+    def _stop_after_budget(self, engine: Any) -> None:
+        """A plain engine's or a torch schedule's steps (the script's loop, one optimizer step at a
+        time): the rank stops when the trial's budget ends."""
+        from autotune.rank.step_boundary import plain_steps
+
+        self.wiring.watch_steps(engine, self.watchdog)
+        budget = self.wiring.budget
+
+        def step_ended(loss: Any) -> None:  # after the probe's record (its listener came first)
+            self.calls += 1
+            if not budget.go_on():  # the same decision on every rank, at the same boundary
+                self.stop()
+
+        plain_steps(engine).ended.append(step_ended)
 
     def engine_built(self, engine: Any) -> None:
         if self.engine is not None:  # a second engine (e.g. a teacher model): the first is the one tuned
@@ -241,18 +273,10 @@ class _RankState:
         self.wiring = wire(engine, self.settings.plan, budget=not watching)
         if watching:
             return
-        budget = self.wiring.budget
-        from autotune.rank.step_boundary import has_train_batch, plain_steps
+        from autotune.rank.step_boundary import has_train_batch
 
         if not has_train_batch(engine):  # a plain engine: the script's loop, one optimizer step at a time
-            self.wiring.watch_steps(engine, self.watchdog)
-
-            def step_ended(loss: Any) -> None:  # after the probe's record (its listener came first)
-                self.calls += 1
-                if not budget.go_on():  # the same decision on every rank, at the same boundary
-                    self.stop()
-
-            plain_steps(engine).ended.append(step_ended)
+            self._stop_after_budget(engine)
             return
         measured = engine.train_batch  # the probe's timed train_batch
         wiring = self.wiring
@@ -284,7 +308,10 @@ class _RankState:
         self.write_marker("done", {"train_batch_calls": self.calls})
         _flush_std()
         try:
-            import deepspeed.comm as dist
+            if self.torch_schedule:  # the script's own process group (it may never start DeepSpeed's)
+                import torch.distributed as dist
+            else:
+                import deepspeed.comm as dist  # type: ignore[no-redef]
 
             dist.barrier()
         finally:

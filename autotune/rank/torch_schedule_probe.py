@@ -11,14 +11,17 @@ ends: the class, `n_microbatches`, this rank's stages (their index, the stage co
 parameters, the pipeline group's size) and the step's batch where this rank holds it (the
 first stage's input, the last stage's target).
 
-Tuning such a script is issue 43's next step; today the start-up check reports what it read
-and refuses in one line (nothing of the script runs past its first step). Imported only
-where the script imports torch's pipelining: this module itself imports no torch.
+A trial of such a script (`autotune run -- torchrun train.py`) builds, right after the script's
+own schedule object, the trial's (`substitute`): the trial's schedule class and `n_microbatches`
+on the same stages, with the script's loss function and chunking specs; the script's object then
+runs the trial's `step`. Nothing of the script changes: it keeps the object it built. Imported
+only where the script imports torch's pipelining: this module itself imports no torch.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 import sys
 from typing import Any
@@ -43,10 +46,16 @@ def on_schedule_built(schedules: Any, built: Any) -> None:
         cls.__init__ = _calling_init(cls.__init__, built)
 
 
+_building = False
+"""True while `substitute` builds the trial's schedule: that object is autotune's, not the script's."""
+
+
 def _calling_init(init: Any, built: Any) -> Any:
     @functools.wraps(init)
     def wrapped(self: Any, *args: Any, **kwargs: Any) -> None:
         init(self, *args, **kwargs)
+        if _building:
+            return
         if not self.__dict__.get("_autotune_seen"):  # a subclass's __init__ that ran a base's: once
             self.__dict__["_autotune_seen"] = True
             built(self)
@@ -68,6 +77,32 @@ def patch(schedules: Any, write_marker: Any) -> None:
         schedule.step = first_step
 
     on_schedule_built(schedules, built)
+
+
+def substitute(schedule: Any, name: str | None, n_microbatches: int | None) -> Any:
+    """The trial's schedule on the script's stages: torch's `Schedule<name>` (None: the script's
+    class) with `n_microbatches` (None: the script's count); the script's own object where both
+    are its own. The controller chose `name` to fit the stages this rank holds
+    (autotune/usercmd/torch_job.py): one for a single-stage class, the list for the others."""
+    global _building
+    from torch.distributed.pipelining import schedules as torch_schedules
+
+    cls = getattr(torch_schedules, f"Schedule{name}") if name else type(schedule)
+    n = int(n_microbatches or schedule._n_microbatches)
+    if cls is type(schedule) and n == schedule._n_microbatches:
+        return schedule
+    stages = schedule_stages(schedule)
+    first = stages[0] if issubclass(cls, torch_schedules.PipelineScheduleSingle) else stages
+    accepted = inspect.signature(cls.__init__).parameters  # LoopedBFS takes no chunk specs
+    # the script's arguments, where torch 2.13's _PipelineSchedule.__init__ keeps them
+    own = {"loss_fn": schedule._loss_fn, "args_chunk_spec": schedule._args_chunk_spec,
+           "kwargs_chunk_spec": schedule._kwargs_chunk_spec, "output_merge_spec": schedule._output_merge_spec,
+           "scale_grads": schedule.scale_grads}
+    _building = True
+    try:
+        return cls(first, n, **{k: v for k, v in own.items() if k in accepted})
+    finally:
+        _building = False
 
 
 def schedule_stages(schedule: Any) -> list[Any]:

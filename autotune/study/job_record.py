@@ -58,7 +58,10 @@ def describe_job(user_command: dict[str, Any] | None, workload: dict[str, Any] |
         facts.append(f"{uc['parameters']:,} parameters")
     facts.append(layout)
     micro, gas = uc.get("micro_batch_size"), uc.get("gradient_accumulation_steps")
-    if micro and gas:
+    if uc.get("engine") == "torch_pipelining":  # autotune/usercmd/torch_job.py: no DeepSpeed config
+        facts.append(f"torch.distributed.pipelining, schedule {uc.get('schedule')}, n_microbatches {gas} "
+                     f"of the step's batch {uc.get('step_batch')}")
+    elif micro and gas:
         facts.append(f"micro-batch {micro} x GAS {gas} in its config"
                      + (" (built in code)" if uc.get("script_config") is not None else ""))
     facts = [f for f in facts if f]

@@ -15,15 +15,21 @@ from autotune.study.results import StudyResults
 from autotune.study.store import Study
 
 
-def write_outputs(study: Study, results: StudyResults, best_ds_config: dict | None) -> None:
-    """summary.json (`results.to_dict()`), best_ds_config.json (`results.best`'s) and report.md."""
+def write_outputs(study: Study, results: StudyResults, best_ds_config: dict | None,
+                  result_file: tuple[str, dict] | None = None) -> None:
+    """summary.json (`results.to_dict()`), best_ds_config.json (`results.best`'s) and report.md;
+    `result_file`: (name, content) of a job's own result in place of a ds_config (a torch
+    pipelining script's best_schedule.json, autotune/usercmd/torch_job.py)."""
     write_atomic(study.root / "summary.json", json.dumps(results.to_dict(), indent=2) + "\n")
     if best_ds_config is not None:
         write_atomic(study.root / "best_ds_config.json", json.dumps(best_ds_config, indent=2) + "\n")
-    write_atomic(study.root / "report.md", render_markdown(results))
+    if result_file is not None:
+        write_atomic(study.root / result_file[0], json.dumps(result_file[1], indent=2) + "\n")
+    write_atomic(study.root / "report.md", render_markdown(results, result_file[1] if result_file else None))
 
 
-def render_markdown(results: StudyResults) -> str:
+def render_markdown(results: StudyResults, schedule: dict | None = None) -> str:
+    """report.md; `schedule`: a torch pipelining script's best_schedule.json content."""
     lines = ["# autotune report", ""]
     best, base = results.best, results.baseline
     trainer = results.trainer_args
@@ -39,6 +45,10 @@ def render_markdown(results: StudyResults) -> str:
                      f"{best.config.reduce_bucket_size or 'not tuned'}{_ckpt_text(best.config)}: "
                      f"{best.samples_per_second:.1f} samples/s"
                      f" (mean of {best.repeats} measurement(s)).")
+        if schedule:
+            lines.append(f"As the script's schedule: `{schedule['in_the_script']}` (best_schedule.json; the "
+                         f"script's own: {schedule['script_own']['schedule']} with n_microbatches "
+                         f"{schedule['script_own']['n_microbatches']}); the command: `{schedule['command']}`.")
         if trainer:
             lines.append(f"As the HF Trainer's arguments: `{trainer}` (best_ds_config.json keeps your \"auto\" "
                          "values; the Trainer fills them from these).")

@@ -134,7 +134,7 @@ def judge_user_trial(outcome: LaunchOutcome, run_dir: Path, timeout: float, *, s
     if outcome.launch_error is not None:
         return judge(outcome, run_dir, timeout)
     engines = read_markers(run_dir, "engine")
-    other = next((e for e in engines if e.get("deepspeed") is False), None)
+    other = next((e for e in engines if e.get("deepspeed") is False and not e.get("torch_pipelining")), None)
     if other is not None:
         return failed("unknown_engine", f"deepspeed.initialize returned a {other.get('engine')}, not a DeepSpeed "
                                          "engine; autotune tunes DeepSpeed's engines", wall)
@@ -153,10 +153,6 @@ def judge_user_trial(outcome: LaunchOutcome, run_dir: Path, timeout: float, *, s
     return judge(outcome, run_dir, timeout)
 
 
-TORCH_PIPELINING = "torch_pipelining"
-"""The start-up check's finding for a script that builds a torch.distributed.pipelining schedule."""
-
-
 @dataclass(kw_only=True, slots=True)
 class PipelineShape:
     """What the engine says about the job (measured, not asked of the user)."""
@@ -173,6 +169,10 @@ class PipelineShape:
     script_config: dict | None = None
     """What the script handed `deepspeed.initialize` (rank 0's `config-rank0.json` marker,
     autotune/rank/hook.py `script_config`): `source` code, path, args or none."""
+    torch_pipelining: dict | None = None
+    """A torch.distributed.pipelining script: what its ranks' schedules said at their first step
+    (`schedule`, `n_microbatches`, `step_batch`, `num_stages`, `stage_sets`: each rank's stages,
+    and `text`: the job in words); None: a DeepSpeed engine's job."""
 
 
 def probe_shape(command: UserCommand, *, ds_config: Path | None, cwd: Path, timeout: float = PROBE_TIMEOUT,
@@ -202,15 +202,37 @@ def probe_shape(command: UserCommand, *, ds_config: Path | None, cwd: Path, time
                              parameters=sum(per_stage.values()) if pipeline else int(first["parameters"]),
                              pipeline=pipeline, zero_stage=int(first.get("zero_stage", 0)),
                              script_config=next(iter(read_markers(run_dir, "config")), None)), None, run_dir
-    from autotune.rank.torch_schedule_probe import MARKER, job_text
+    from autotune.rank.torch_schedule_probe import MARKER
 
     schedules = read_markers(run_dir, MARKER)
-    if schedules and not engines:  # the script pipelines with torch, not DeepSpeed (issue 43)
-        return None, failed(TORCH_PIPELINING, job_text(schedules), outcome.wall_seconds), run_dir
+    if schedules and not engines:  # the script pipelines with torch, not DeepSpeed (autotune/usercmd/torch_job.py)
+        return torch_shape(schedules), None, run_dir
     failure = judge_user_trial(outcome, run_dir, timeout, steps_needed=0)
     if failure.result.ok:  # exit 0 with metrics but no done marker: cannot happen in probe mode
         failure = failed("crash", "the start-up check ended without reaching deepspeed.initialize", 0.0)
     return None, failure, run_dir
+
+
+def torch_shape(markers: list[dict]) -> PipelineShape:
+    """A torch pipelining script's shape from its ranks' schedule markers (every rank reports at its
+    first step: autotune/rank/torch_schedule_probe.py `describe`)."""
+    from autotune.rank.torch_schedule_probe import job_text
+
+    first = markers[0]
+    group = int(first.get("pipeline_group_size") or 1)
+    world = int(first.get("world_size") or group)
+    params: dict[str, int] = {}
+    for m in markers:
+        params.update(m.get("stage_parameters") or {})
+    batch = next((int(m["step_batch"]) for m in markers if m.get("step_batch")), None)
+    n = int(first.get("n_microbatches") or 0)
+    sets = sorted({tuple(sorted(m.get("stage_indices") or [])) for m in markers})
+    return PipelineShape(stages=group, data_parallel_size=max(1, world // group),
+                         micro_batch_size=batch // n if batch and n else 0, gradient_accumulation_steps=n,
+                         parameters=sum(params.values()), torch_pipelining={
+                             "schedule": first.get("schedule"), "n_microbatches": n, "step_batch": batch,
+                             "num_stages": first.get("num_stages"), "stage_sets": [list(s) for s in sets],
+                             "text": job_text(markers)})
 
 
 class UserCommandRunner:
@@ -285,11 +307,14 @@ class UserCommandRunner:
 
             command = dataclasses.replace(command, script_args=with_batch(
                 command.script_args, request.config.micro_batch_size, request.config.gradient_accumulation_steps))
+        if request.knob_values:  # what the trial's knobs ran (the result file of a torch job reads it)
+            from autotune.usercmd.knobs import TRIAL_FILE
+
+            (trial_dir / TRIAL_FILE).write_text(json.dumps(request.knob_values) + "\n", encoding="utf-8")
         if self.knobs:  # the script's own flags for the mapped model settings (usercmd/knobs.py)
-            from autotune.usercmd.knobs import TRIAL_FILE, apply_knobs
+            from autotune.usercmd.knobs import apply_knobs
 
             command = apply_knobs(command, request.knob_values, self.knobs)
-            (trial_dir / TRIAL_FILE).write_text(json.dumps(request.knob_values) + "\n", encoding="utf-8")
         outcome = launch(command, ds_config=ds_path, cwd=self.cwd, run_dir=trial_dir,
                          settings=settings, timeout=request.timeout, on_start=request.on_start)
         return judge_user_trial(outcome, trial_dir, request.timeout, steps_needed=settings.total_steps)

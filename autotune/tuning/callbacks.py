@@ -95,6 +95,10 @@ class StudyOutputs:
 
     def write(self) -> StudyResults:
         results = read_results(self.study)  # one snapshot: summary.json's best is best_ds_config.json's
+        result_file = getattr(self.runner, "result_file", None)  # a job with no ds_config (torch_job.py)
+        if result_file is not None:
+            write_outputs(self.study, results, None, result_file(self.study, results.best) if results.best else None)
+            return results
         best_cfg = self._ran_with(results.best) if results.best else None
         write_outputs(self.study, results, best_cfg)
         return results

@@ -27,7 +27,7 @@ import shutil
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 from autotune.core.dsconfig import ZERO_SETTINGS, DsConfig, check_known_zero_keys, load_ds_config
 from autotune.core.errors import ConfigError, UserError
@@ -38,7 +38,6 @@ from autotune.trials.multinode import resolve_cluster
 from autotune.trials.precision import check_precision
 from autotune.trials.user_command import (
     PROBE_TIMEOUT,
-    TORCH_PIPELINING,
     UserCommandRunner,
     probe_shape,
 )
@@ -60,6 +59,8 @@ if TYPE_CHECKING:
 class UserJob:
     """The user's command as a study stores it."""
 
+    RUNNER: ClassVar[type[UserCommandRunner]] = UserCommandRunner
+    """The trial runner of this kind of job (a torch pipelining script's: autotune/usercmd/torch_job.py)."""
     argv: list[str]
     cwd: str
     """The folder the command runs in (relative paths in it are the user's)."""
@@ -122,7 +123,7 @@ class UserJob:
 
             assert opts.config is not None  # a Trainer job names its file (--deepspeed FILE)
             trainer = TrainerConfig(own=load_ds_config(opts.config).raw, filled=dict(self.filled_config or {}))
-        return UserCommandRunner(command, base, cwd=Path(self.cwd), data_parallel_size=wl.data_parallel_size,
+        return self.RUNNER(command, base, cwd=Path(self.cwd), data_parallel_size=wl.data_parallel_size,
                                  steps=wl.steps, warmup_steps=wl.warmup_steps, job=wl.job,
                                  metrics_port=wl.metrics_port, metrics_addr=wl.metrics_addr,
                                  layer_costs=wl.layer_costs, parts=parts, knobs=knobs,
@@ -246,11 +247,16 @@ def prepare_user_job(opts: RunOptions, argv: list[str], note: Callable[[str], No
         if failure is None:
             shutil.rmtree(probe_dir, ignore_errors=True)
         raise ConfigError(f"{config}: {auto_unfilled(auto, None)}")
-    if failure is not None and failure.result.failure_reason == TORCH_PIPELINING:
+    if shape is not None and shape.torch_pipelining is not None:  # no DeepSpeed: the script's own schedule
         shutil.rmtree(probe_dir, ignore_errors=True)
-        raise UserError(f"the start-up check read a torch.distributed.pipelining job: {failure.failure_detail}; "
-                        "autotune cannot tune such a script yet (issue 43): `autotune run --engine torch` tunes "
-                        "the schedule and n_microbatches of its built-in workload (docs/torch-pipelining.md)")
+        from autotune.usercmd.torch_job import torch_job
+
+        job = torch_job(argv, cwd, shape, note)
+        job.validate(opts)
+        opts.config = None
+        opts.workload.pipeline_stages = shape.stages
+        opts.workload.data_parallel_size = shape.data_parallel_size
+        return job
     if failure is not None:
         hint = framework_hint(cmd, failure.failure_detail or "", built_by)
         if config is not None and base.zero_stage >= 2 and not built_by:  # DeepSpeed's PipelineEngine asserts on it before the bootstrap sees it
@@ -396,8 +402,8 @@ def refuse_builtin_only(opts: RunOptions) -> None:
     if not given:
         return
     torch = {"--engine", "--schedule", "--virtual-stages"} & set(given)
-    why = (" (your own torch.distributed.pipelining script is not supported yet: issue 43; its schedule is "
-           "the one it builds)" if torch else "")
+    why = (" (a torch.distributed.pipelining script's schedule is the one it builds: its trials sweep the "
+           "schedule classes that fit its stages, docs/torch-pipelining.md)" if torch else "")
     raise UserError(f"{', '.join(given)}: shape{'s' if len(given) == 1 else ''} the built-in workload only; with "
                     f"a command (`autotune run -- ...`) the script and its launcher decide {'it' if len(given) == 1 else 'them'}"
                     f" (read at the start-up check){why}")
@@ -425,13 +431,16 @@ def with_autotune_launcher_options(cmd: UserCommand, opts: RunOptions) -> UserCo
 
 def resumed_user_job(study: Study) -> UserJob | None:
     """The command a study of a user's command was created for (a resume without one); None: none."""
+    from autotune.usercmd.torch_job import record_of
+
     stored = study.get_meta_json(META_KEY)
-    return UserJob(**stored) if stored else None
+    return record_of(stored) if stored else None
 
 
 def stored_job(root: Path) -> UserJob | None:
     """A study's command, read-only (the study may be locked by nobody or by a live run)."""
     from autotune.study.store import stored_meta
+    from autotune.usercmd.torch_job import record_of
 
     raw = stored_meta(root, META_KEY)
-    return UserJob(**json.loads(raw)) if raw is not None else None
+    return record_of(json.loads(raw)) if raw is not None else None
