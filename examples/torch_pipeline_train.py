@@ -13,6 +13,7 @@ import argparse
 
 import torch
 import torch.distributed as dist
+import torch.profiler
 import torch.utils.checkpoint
 from torch.distributed.pipelining import PipelineStage, schedules
 
@@ -45,6 +46,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--activation-checkpoint", type=int, choices=(0, 1), default=0,
                     help="1: recompute each block's activations in the backward")
+    ap.add_argument("--profile-dir", default=None,
+                    help="trace steps 2-3 with torch.profiler into this folder (one file per rank)")
     args = ap.parse_args()
 
     dist.init_process_group("gloo")
@@ -61,6 +64,13 @@ def main() -> None:
     schedule = kind(held, n_microbatches=args.n_microbatches, loss_fn=torch.nn.functional.mse_loss)
     optimizer = torch.optim.SGD(stage.submod.parameters(), lr=0.01)
     data = torch.Generator().manual_seed(args.seed)
+    profiler = None
+    if args.profile_dir:  # as scripts do: wait 1 step, warm up 1, record 2
+        profiler = torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True,
+            schedule=torch.profiler.schedule(wait=1, warmup=1, active=2, repeat=1),
+            on_trace_ready=torch.profiler.tensorboard_trace_handler(args.profile_dir, worker_name=f"rank{rank}"))
+        profiler.start()
     for step in range(args.steps):
         x = torch.randn(args.batch, args.hidden, generator=data)
         y = torch.tanh(x.flip(1))
@@ -74,6 +84,10 @@ def main() -> None:
         else:
             schedule.step()
         optimizer.step()
+        if profiler is not None:
+            profiler.step()
+    if profiler is not None:
+        profiler.stop()
     dist.destroy_process_group()
 
 

@@ -105,3 +105,27 @@ def test_the_space_keeps_the_steps_batch_and_has_no_bucket():
     assert space.global_batch == 16 and space.bucket_range is None
     assert space.micro_batch_sizes == [1, 2, 4, 8]  # n_microbatches >= the 2 stages
     assert all(m * space.gas_for(m) == 16 for m in space.micro_batch_sizes)
+
+
+def test_a_trial_whose_schedule_refuses_its_count_fails_at_once_unlaunched(tmp_path):
+    """1F1B on 2 ranks needs 2 micro-batches: a trial of 1 is refused by torch's constructor in every
+    rank; the runner says so without launching anything (no trial folder is made)."""
+    from autotune.core.space import TrialConfig
+    from autotune.trials.contract import TrialRequest
+    from autotune.usercmd.torch_job import SCHEDULE_REFUSES
+
+    (tmp_path / "train.py").write_text("")  # the command must name a script that exists
+    job = _job(argv=["torchrun", "--nproc-per-node", "2", "train.py"], cwd=str(tmp_path))
+    opts = RunOptions()
+    runner = job.runner(opts, job.base_config(opts))
+    request = TrialRequest(number=3, config=TrialConfig(micro_batch_size=16, gradient_accumulation_steps=1),
+                           trial_dir=tmp_path / "trial-003", timeout=60, knob_values={"schedule": "1F1B"})
+    outcome = runner.run(request)
+    assert outcome.result.failure_reason == SCHEDULE_REFUSES and outcome.wall_seconds == 0.0
+    assert outcome.failure_detail == "1F1B needs at least 2 micro-batches (one per stage), not 1 (not launched)"
+    assert not (tmp_path / "trial-003").exists()
+    settings = runner.settings_for(dataclasses.replace(request, config=TrialConfig(
+        micro_batch_size=4, gradient_accumulation_steps=4)), tmp_path)
+    assert (settings.schedule, settings.n_microbatches, settings.ds_config) == ("1F1B", 4, None)
+    own = runner.settings_for(dataclasses.replace(request, knob_values={"schedule": "GPipe"}), tmp_path)
+    assert own.schedule is None  # the script's own class: nothing substituted

@@ -142,3 +142,36 @@ def test_watch_instruments_the_users_schedule_and_leaves_its_training_unchanged(
         else:
             assert logged == []
     assert (run / "findings.json").is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("schedule", "n"), [("GPipe", 2), ("Interleaved1F1B", 4)])
+def test_advise_reads_a_torch_scripts_own_trace_by_its_schedule_labels(tmp_path, schedule, n):
+    """The script's own torch.profiler trace (its --profile-dir): GPipe labels `Forward i` and
+    `Backward i`, the runtime schedules `PP:<stage><action><micro>`; both read as the pipeline's
+    instructions, so the micro-batches per step (distinct micro-batches: Interleaved1F1B's rank runs
+    two stages' forwards of each), and with them the ideal bubble, come from the trace alone."""
+    import subprocess
+
+    from autotune.loaders import load_inputs
+    from autotune.traces.breakdown import breakdown
+    from autotune.traces.rank_trace import read_rank_trace
+    from autotune.trials.launcher import free_port
+
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+           "OMP_NUM_THREADS": "1"}
+    prof = tmp_path / "prof"
+    proc = subprocess.run(["torchrun", "--nproc-per-node", "2", "--master-port", str(free_port()), str(SCRIPT),
+                           "--schedule", schedule, "--n-microbatches", str(n), "--batch", "16", "--steps", "5",
+                           "--profile-dir", str(prof)], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    traces = [read_rank_trace(f) for f in sorted(prof.glob("*.json"))]
+    assert len(traces) == 2
+    for t in traces:
+        assert {"ForwardPass", "BackwardPass"} <= {i.name for i in t.instructions}
+        assert breakdown(t).micro_batches == n
+    s = load_inputs([str(prof)]).subjects[0]
+    assert s.get("pipeline_stages") == 2 and s.get("gradient_accumulation_steps") == n
+    assert s.get("bubble_fraction_ideal") == pytest.approx(1 / (n + 1))
+    assert s.get("stage_compute_imbalance") is not None

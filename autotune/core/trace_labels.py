@@ -5,12 +5,43 @@ Inside a traced step every DeepSpeed pipeline instruction runs under a profiler 
 `deepspeed:<Instruction>` (`deepspeed:ForwardPass`, `deepspeed:SendActivation`, ...): the trace
 then shows the schedule the probe times, and the reader measures it with the probe's own
 definitions (compute, transfer against the wait for a peer, micro-batches per step).
+
+A torch.distributed.pipelining job's own trace (a user's script under torch.profiler) carries
+torch's labels instead, read as the same instructions (`pipeline_instruction`): the actions of
+`_PipelineScheduleRuntime` (the interleaved, V and zero-bubble schedules) as
+`PP:<stage><action><microbatch>`, and GPipe's and 1F1B's `Forward <i>` and `Backward <i>`.
 """
 
 from __future__ import annotations
+
+import re
 
 INSTRUCTION_PREFIX = "deepspeed:"
 FORWARD, BACKWARD, OPTIMIZER = "ForwardPass", "BackwardPass", "OptimizerStep"
 COMPUTE_INSTRUCTIONS = (FORWARD, BACKWARD, OPTIMIZER)
 P2P_INSTRUCTIONS = ("SendActivation", "SendGrad", "RecvActivation", "RecvGrad")
 REDUCE_INSTRUCTIONS = ("ReduceGrads", "ReduceTiedGrads")
+
+TORCH_ACTIONS = {"F": FORWARD, "B": BACKWARD, "I": BACKWARD, "W": BACKWARD, "SEND_F": "SendActivation",
+                 "SEND_B": "SendGrad", "RECV_F": "RecvActivation", "RECV_B": "RecvGrad"}
+"""torch 2.13's `_ComputationType` values -> the instruction they are: the input (I) and weight (W)
+halves of a split backward are both backward compute. Its other actions (UNSHARD, RESHARD,
+REDUCE_GRAD, OVERLAP_F_B) are not read."""
+_TORCH_ACTION = re.compile(r"^PP:(\d+)(" + "|".join(sorted(TORCH_ACTIONS, key=len, reverse=True)) + r")(\d+)$")
+_TORCH_SINGLE = re.compile(r"^(Forward|Backward) (\d+)$")
+
+
+def pipeline_instruction(label: str) -> tuple[str, int | None] | None:
+    """(instruction, micro-batch or None) of a profiler range's label, None where it is no
+    pipeline instruction: autotune's `deepspeed:` ranges and torch's own labels (the module's
+    docstring). Torch's receive waits run inside the action that needs them (`_wait_batch_p2p`),
+    so its compute ranges hold that waiting too (docs/torch-pipelining-facts.md)."""
+    if label.startswith(INSTRUCTION_PREFIX):
+        return label[len(INSTRUCTION_PREFIX):], None
+    m = _TORCH_ACTION.match(label)
+    if m:
+        return TORCH_ACTIONS[m.group(2)], int(m.group(3))
+    m = _TORCH_SINGLE.match(label)
+    if m:
+        return (FORWARD if m.group(1) == "Forward" else BACKWARD), int(m.group(2))
+    return None

@@ -98,6 +98,11 @@ def trace_signals(traces: Sequence[RankTrace], *, name: str, micro: int | None =
         "comm_compute_ratio_mean": statistics.fmean(r for _, r in ratios) if ratios else None,
         "step_time_jitter": _jitter(parts),
     }
+    labelled = {b.micro_batches for b in parts if b.micro_batches}
+    if gas is None and len(labelled) == 1:  # the schedule's own labels count them (trace_labels.py)
+        gas = labelled.pop()
+        notes.append(f"{name}: {gas} micro-batches per step, counted from the pipeline's labelled forwards "
+                     "(the GAS, or a torch schedule's n_microbatches)")
     stages = layout.stages if layout else None
     dp = layout.data_parallel_size if layout else (traces[0].world_size if traces[0].world_size else None)
     world = traces[0].world_size

@@ -217,7 +217,8 @@ def _with_instructions(b: RankBreakdown, t: RankTrace) -> RankBreakdown:
         mine = [i for i in ins if s.ts <= i.ts < s.end]
         fwd = [i for i in mine if i.name == FORWARD]
         bwd = [i for i in mine if i.name == BACKWARD]
-        forwards.append(len(fwd))
+        micros = {i.micro for i in fwd}  # torch's labels name it: a rank with v stages runs v forwards of each
+        forwards.append(len(micros) if None not in micros else len(fwd))
         if fwd and bwd:
             span = max(i.ts + i.dur for i in bwd) - fwd[0].ts
             busy = sum(i.dur for i in fwd + bwd)

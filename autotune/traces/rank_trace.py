@@ -12,7 +12,8 @@ Kept from the events (the rest is dropped as it is read):
   NCCL kernels' arguments, and with `record_shapes` the c10d/gloo operators' input shapes and
   their peer (`c10d::send`'s destination, `c10d::recv_`'s source);
 - `distributedInfo`: rank, world size, backend, process groups;
-- the pipeline instructions where autotune's recorder labelled them (`deepspeed:ForwardPass`, ...).
+- the pipeline instructions where autotune's recorder labelled them (`deepspeed:ForwardPass`, ...),
+  or torch.distributed.pipelining did (`PP:0F1`, `Forward 1`: autotune/core/trace_labels.py).
 
 Kernel kinds follow HTA's (`hta/utils/utils.py`), so the breakdown can be checked against it:
 communication `^nccl.*Kernel`; memory `^Memcpy|^Memset|^dma`; compute: neither, nor a name
@@ -31,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from autotune.core.errors import InputFileError
-from autotune.core.trace_labels import INSTRUCTION_PREFIX
+from autotune.core.trace_labels import pipeline_instruction
 from autotune.traces.reader import TraceFile
 
 COMPUTE, COMMUNICATION, MEMORY, OTHER = 0, 1, 2, 3
@@ -72,11 +73,14 @@ class Collective:
 
 @dataclass(frozen=True, slots=True)
 class Instruction:
-    """One pipeline instruction under its `deepspeed:` range (autotune's own traces)."""
+    """One pipeline instruction under its `deepspeed:` range (autotune's own traces), or under
+    torch's own label (a torch.distributed.pipelining job: autotune/core/trace_labels.py)."""
 
     name: str
     ts: float
     dur: float
+    micro: int | None = None
+    """The micro-batch it works on, where the label says (torch's labels do)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,8 +191,8 @@ class _Columns:
                 c = _collective_from_op(name, ev.get("args") or {}, ts, dur)
                 if c is not None:
                     self.collectives.append(c)
-        elif cat == "user_annotation" and isinstance(name, str) and name.startswith(INSTRUCTION_PREFIX):
-            self.instructions.append(Instruction(name[len(INSTRUCTION_PREFIX):], ts, dur))
+        elif cat == "user_annotation" and isinstance(name, str) and (found := pipeline_instruction(name)):
+            self.instructions.append(Instruction(found[0], ts, dur, found[1]))
         elif cat == "user_annotation" and isinstance(name, str) and name.startswith("ProfilerStep"):
             m = _STEP.match(name)
             if m:

@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     from autotune.core.space import SearchSpace, TrialConfig
     from autotune.study.store import Study, TrialRow
     from autotune.trials.contract import TrialRequest
+    from autotune.trials.judge import TrialOutcome
     from autotune.trials.multinode import Cluster
     from autotune.trials.user_command import PipelineShape
     from autotune.tuning.steps import SettingStep
@@ -50,6 +51,8 @@ TORCH = "torch_pipelining"
 """The job record's `engine` for such a script (a DeepSpeed script's record has none)."""
 SCHEDULE_KNOB = "schedule"
 RESULT_FILE = "best_schedule.json"
+SCHEDULE_REFUSES = "schedule_refuses"
+"""A trial's failure: its schedule class refuses its n_microbatches (found before launching it)."""
 FROM_SCHEDULE = "the script's schedule, read at its first step"
 NOT_FOR_TORCH = {
     "--free-batch": "free_batch", "--global-batch": "global_batch", "--layer-costs": "layer_costs",
@@ -74,6 +77,21 @@ class TorchScriptRunner(UserCommandRunner):
         settings.n_microbatches = int(request.config.gradient_accumulation_steps)
         settings.ds_config = None  # the script builds no DeepSpeed engine
         return settings
+
+    def run(self, request: TrialRequest) -> TrialOutcome:
+        """The trial; one whose schedule refuses its count (its constructor would raise in every
+        rank) fails at once, unlaunched, with torch's reason (autotune/core/pp_schedules.py)."""
+        job = self.script_job
+        name = request.knob_values.get(SCHEDULE_KNOB) or job.schedule
+        if name in pp_schedules.SCHEDULES:
+            why = pp_schedules.refuses(name, ranks=job.pipeline_stages or 2,
+                                       micro_batches=request.config.gradient_accumulation_steps,
+                                       virtual_stages=len(job.stage_sets[0]) if job.stage_sets else 1)
+            if why:
+                from autotune.trials.judge import failed
+
+                return failed(SCHEDULE_REFUSES, f"{why} (not launched)", 0.0)
+        return UserCommandRunner.run(self, request)
 
     def ds_config_for(self, config: TrialConfig) -> dict[str, object]:
         """The trial's batch layout (ds_config.json in its folder says what it ran; nothing reads it)."""
