@@ -5,6 +5,7 @@ name from the command line, and the script calls `schedule.step(...)` in its own
 nothing of autotune (docs/torch-pipelining.md: what `autotune run -- torchrun ...` reads of it).
 
     torchrun --nproc-per-node 2 examples/torch_pipeline_train.py --schedule 1F1B --n-microbatches 4
+    torchrun --nproc-per-node 2 examples/torch_pipeline_train.py --schedule Interleaved1F1B --stages-per-rank 2
 """
 
 from __future__ import annotations
@@ -46,6 +47,9 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--activation-checkpoint", type=int, choices=(0, 1), default=0,
                     help="1: recompute each block's activations in the backward")
+    ap.add_argument("--stages-per-rank", type=int, default=1,
+                    help="stages each rank holds, looped (rank r: r, r + ranks, ...); more than 1 needs a "
+                         "multi-stage schedule (Interleaved1F1B, LoopedBFS, InterleavedZeroBubble)")
     ap.add_argument("--profile-dir", default=None,
                     help="trace steps 2-3 with torch.profiler into this folder (one file per rank)")
     args = ap.parse_args()
@@ -54,15 +58,18 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(args.seed)
     every = blocks(args.layers, args.hidden)  # the same weights on every rank: each keeps its share
-    per = args.layers // world
-    mine: torch.nn.Module = torch.nn.Sequential(*every[rank * per:(rank + 1) * per])
-    if args.activation_checkpoint:
-        mine = Checkpointed(mine)
-    stage = PipelineStage(mine, rank, world, torch.device("cpu"))
+    total = world * args.stages_per_rank  # looped: rank r holds stages r, r + world, ...
+    per = args.layers // total
+    stages = []
+    for index in range(rank, total, world):
+        mine: torch.nn.Module = torch.nn.Sequential(*every[index * per:(index + 1) * per])
+        if args.activation_checkpoint:
+            mine = Checkpointed(mine)
+        stages.append(PipelineStage(mine, index, total, torch.device("cpu")))
     kind = getattr(schedules, f"Schedule{args.schedule}")
-    held = [stage] if issubclass(kind, schedules.PipelineScheduleMulti) else stage  # Multi: a list of stages
+    held = stages if issubclass(kind, schedules.PipelineScheduleMulti) else stages[0]  # Multi: the list
     schedule = kind(held, n_microbatches=args.n_microbatches, loss_fn=torch.nn.functional.mse_loss)
-    optimizer = torch.optim.SGD(stage.submod.parameters(), lr=0.01)
+    optimizer = torch.optim.SGD([p for s in stages for p in s.submod.parameters()], lr=0.01)
     data = torch.Generator().manual_seed(args.seed)
     profiler = None
     if args.profile_dir:  # as scripts do: wait 1 step, warm up 1, record 2

@@ -129,3 +129,18 @@ def test_a_trial_whose_schedule_refuses_its_count_fails_at_once_unlaunched(tmp_p
     assert (settings.schedule, settings.n_microbatches, settings.ds_config) == ("1F1B", 4, None)
     own = runner.settings_for(dataclasses.replace(request, knob_values={"schedule": "GPipe"}), tmp_path)
     assert own.schedule is None  # the script's own class: nothing substituted
+
+
+@pytest.mark.parametrize(("name", "held", "rank", "fits"), [
+    ("GPipe", [0], 0, True), ("GPipe", [0, 2], 0, False),  # a knob gave the rank two stages
+    ("Interleaved1F1B", [1, 3], 1, True), ("Interleaved1F1B", [1, 2], 1, False),
+    ("ZBVZeroBubble", [1, 2], 1, True), ("ZBVZeroBubble", [1, 3], 1, False),
+    ("_PipelineScheduleRuntime", [0, 5], 0, True),  # no placement known: the script's own
+])
+def test_a_trial_schedule_is_built_only_where_it_places_the_ranks_stages(name, held, rank, fits):
+    from types import SimpleNamespace
+
+    from autotune.rank.torch_schedule_probe import places_as
+
+    stages = [SimpleNamespace(stage_index=i, group_size=2, group_rank=rank) for i in held]
+    assert places_as(name, stages) is fits

@@ -87,11 +87,16 @@ def substitute(schedule: Any, name: str | None, n_microbatches: int | None) -> A
     global _building
     from torch.distributed.pipelining import schedules as torch_schedules
 
+    stages = schedule_stages(schedule)
+    if name and not places_as(name, stages):  # a knob of the script's changed its stages per rank
+        print(f"autotune: Schedule{name} does not place this rank's stages "
+              f"{[int(s.stage_index) for s in stages]}; the script's {type(schedule).__name__} runs them",
+              file=sys.stderr, flush=True)
+        name = None
     cls = getattr(torch_schedules, f"Schedule{name}") if name else type(schedule)
     n = int(n_microbatches or schedule._n_microbatches)
     if cls is type(schedule) and n == schedule._n_microbatches:
         return schedule
-    stages = schedule_stages(schedule)
     first = stages[0] if issubclass(cls, torch_schedules.PipelineScheduleSingle) else stages
     accepted = inspect.signature(cls.__init__).parameters  # LoopedBFS takes no chunk specs
     # the script's arguments, where torch 2.13's _PipelineSchedule.__init__ keeps them
@@ -103,6 +108,20 @@ def substitute(schedule: Any, name: str | None, n_microbatches: int | None) -> A
         return cls(first, n, **{k: v for k, v in own.items() if k in accepted})
     finally:
         _building = False
+
+
+def places_as(name: str, stages: list[Any]) -> bool:
+    """Whether torch's schedule `name` places stages as this rank holds them (one for a single-stage
+    class; r, r + p, ... for a looped one; r and 2p - 1 - r for a V one: core/pp_schedules.py)."""
+    from autotune.core import pp_schedules
+
+    if name not in pp_schedules.SCHEDULES or not stages:
+        return True  # a class autotune has no placement for: the controller chose it as the script's
+    ranks = int(getattr(stages[0], "group_size", 1))
+    rank = int(getattr(stages[0], "group_rank", 0))
+    held = sorted(int(s.stage_index) for s in stages)
+    return sorted(pp_schedules.stage_ids(name, rank, ranks, len(stages))) == held \
+        and pp_schedules.stages_per_rank(name, len(stages)) == len(stages)
 
 
 def schedule_stages(schedule: Any) -> list[Any]:

@@ -235,9 +235,9 @@ def prepare_user_job(opts: RunOptions, argv: list[str], note: Callable[[str], No
             raise ConfigError(f"{config}: {auto_unfilled(auto, cmd.config_flag)}")
         if not auto:
             _checked(base, str(config))  # before the start-up check: every trial would fail alike
-    note("start-up check: running the command once, up to deepspeed.initialize, to read its engine: "
-         "pipeline stages (or none) and data-parallel size" + ("" if config is not None else
-                                                                ", and the DeepSpeed config the script builds"))
+    note("start-up check: running the command once, up to deepspeed.initialize (or a torch pipelining schedule's "
+         "first step), to read its engine: pipeline stages (or none) and data-parallel size"
+         + ("" if config is not None else ", and the DeepSpeed config the script builds, if any"))
     shape, failure, probe_dir = probe_shape(cmd, ds_config=config, cwd=cwd,
                                             timeout=opts.trial_timeout or PROBE_TIMEOUT,
                                             startup_timeout=opts.startup_timeout)
