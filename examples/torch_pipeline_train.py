@@ -50,27 +50,34 @@ def main() -> None:
     ap.add_argument("--stages-per-rank", type=int, default=1,
                     help="stages each rank holds, looped (rank r: r, r + ranks, ...); more than 1 needs a "
                          "multi-stage schedule (Interleaved1F1B, LoopedBFS, InterleavedZeroBubble)")
+    ap.add_argument("--dp", type=int, default=1,
+                    help="data-parallel replicas of the pipeline (torchtitan's mesh: the pipeline innermost, "
+                         "ranks r*pp .. r*pp+pp-1 form replica r); the gradients are all-reduced over them")
     ap.add_argument("--profile-dir", default=None,
                     help="trace steps 2-3 with torch.profiler into this folder (one file per rank)")
     args = ap.parse_args()
 
     dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    world = dist.get_world_size()
+    pp = world // args.dp
+    replica, rank = divmod(dist.get_rank(), pp)  # `rank`: the place in this replica's pipeline
+    pipes = [dist.new_group(list(range(r * pp, (r + 1) * pp))) for r in range(args.dp)]  # every rank makes each
+    replicas = [dist.new_group(list(range(i, world, pp))) for i in range(pp)]
     torch.manual_seed(args.seed)
     every = blocks(args.layers, args.hidden)  # the same weights on every rank: each keeps its share
-    total = world * args.stages_per_rank  # looped: rank r holds stages r, r + world, ...
+    total = pp * args.stages_per_rank  # looped: rank r holds stages r, r + pp, ...
     per = args.layers // total
     stages = []
-    for index in range(rank, total, world):
+    for index in range(rank, total, pp):
         mine: torch.nn.Module = torch.nn.Sequential(*every[index * per:(index + 1) * per])
         if args.activation_checkpoint:
             mine = Checkpointed(mine)
-        stages.append(PipelineStage(mine, index, total, torch.device("cpu")))
+        stages.append(PipelineStage(mine, index, total, torch.device("cpu"), group=pipes[replica]))
     kind = getattr(schedules, f"Schedule{args.schedule}")
     held = stages if issubclass(kind, schedules.PipelineScheduleMulti) else stages[0]  # Multi: the list
     schedule = kind(held, n_microbatches=args.n_microbatches, loss_fn=torch.nn.functional.mse_loss)
     optimizer = torch.optim.SGD([p for s in stages for p in s.submod.parameters()], lr=0.01)
-    data = torch.Generator().manual_seed(args.seed)
+    data = torch.Generator().manual_seed(args.seed + replica)  # each replica its own samples
     profiler = None
     if args.profile_dir:  # as scripts do: wait 1 step, warm up 1, record 2
         profiler = torch.profiler.profile(
@@ -84,12 +91,17 @@ def main() -> None:
         optimizer.zero_grad()
         if rank == 0:
             schedule.step(x)
-        elif rank == world - 1:
+        elif rank == pp - 1:
             losses: list[torch.Tensor] = []
             schedule.step(target=y, losses=losses)
-            print(f"step {step} loss {torch.stack(losses).mean().item():.5f}", flush=True)
+            if replica == 0:
+                print(f"step {step} loss {torch.stack(losses).mean().item():.5f}", flush=True)
         else:
             schedule.step()
+        if args.dp > 1:  # the replicas' gradients averaged (torch's schedules leave this to the script)
+            for p in (p for s in stages for p in s.submod.parameters()):
+                dist.all_reduce(p.grad, group=replicas[rank])
+                p.grad /= args.dp
         optimizer.step()
         if profiler is not None:
             profiler.step()
