@@ -19,7 +19,7 @@ from autotune.study.job_record import META_KEY
 from autotune.study.outputs import render_markdown, write_outputs
 from autotune.study.results import read_results
 from autotune.study.store import Study, open_study_readonly, stored_budget, stored_meta
-from autotune.usercmd.job import stored_job
+from autotune.usercmd.prepare import stored_job
 
 JOB = {"argv": ["deepspeed", "train.py", "--deepspeed_config", "ds.json"], "cwd": "/work", "parameters": 1234}
 

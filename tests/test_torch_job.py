@@ -13,11 +13,11 @@ from autotune.core.errors import UserError
 from autotune.core.options import RunOptions
 from autotune.trials.user_command import PipelineShape
 from autotune.usercmd.job import UserJob
+from autotune.usercmd.prepare import record_of
 from autotune.usercmd.torch_job import (
     TORCH,
     TorchScriptJob,
     fitting,
-    record_of,
     refuse_for_torch,
     torch_job,
 )

@@ -74,7 +74,7 @@ def prepare_job(opts: RunOptions, command: list[str] | None, note: Callable[[str
     """The job a run tunes: the user's command (autotune/usercmd), or the built-in workload. The one
     place that tells them apart; from here on both are a TuningJob (autotune/tuning/job.py)."""
     if command:
-        from autotune.usercmd.job import prepare_user_job
+        from autotune.usercmd.prepare import prepare_user_job
 
         return prepare_user_job(opts, command, note)  # sets the run's config, stages and dp
     return BuiltinJob()
@@ -82,7 +82,7 @@ def prepare_job(opts: RunOptions, command: list[str] | None, note: Callable[[str
 
 def resumed_job(study: Study, job: TuningJob) -> TuningJob:
     """A study of a user's command resumed without the command finds it in the study."""
-    from autotune.usercmd.job import resumed_user_job
+    from autotune.usercmd.prepare import resumed_user_job
 
     return resumed_user_job(study) or job
 

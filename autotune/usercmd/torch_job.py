@@ -102,11 +102,15 @@ class TorchScriptRunner(UserCommandRunner):
         """best_schedule.json: what the best trial ran, and how to run it."""
         from autotune.usercmd.knobs import TRIAL_FILE, apply_knobs
 
+        folder = study.trial_dir(best.number)
         try:
-            values = json.loads((study.trial_dir(best.number) / TRIAL_FILE).read_text(encoding="utf-8"))
+            values = json.loads((folder / TRIAL_FILE).read_text(encoding="utf-8"))
         except (OSError, ValueError):
             values = {}
         schedule = values.pop(SCHEDULE_KNOB, None) or self.script_job.schedule
+        ran = _ran_class(folder)  # what the rank built: the script's own where the class did not fit
+        if ran is not None:
+            schedule = ran[len("Schedule"):] if ran[len("Schedule"):] in pp_schedules.SCHEDULES else ran
         n = best.config.gradient_accumulation_steps
         command = apply_knobs(self.command, values, self.knobs) if values and self.knobs else self.command
         torch_class = f"Schedule{schedule}" if schedule in pp_schedules.SCHEDULES else schedule
@@ -119,6 +123,15 @@ class TorchScriptRunner(UserCommandRunner):
             "in_the_script": f"{torch_class}(stage(s), n_microbatches={n}, ...)",
             "command": shlex.join([*command.prefix, *command.launcher_args, command.script, *command.script_args]),
         }
+
+
+def _ran_class(trial_dir: Path) -> str | None:
+    """The schedule class a trial's rank 0 ran (its engine marker, autotune/rank/hook.py)."""
+    try:
+        ran = json.loads((trial_dir / "engine-rank0.json").read_text(encoding="utf-8")).get("engine")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return ran if isinstance(ran, str) and ran else None
 
 
 @dataclass(kw_only=True, slots=True)
@@ -255,8 +268,3 @@ def torch_job(argv: list[str], cwd: Path, shape: PipelineShape, note: Callable[[
                          stage_sets=[list(s) for s in read.get("stage_sets") or []])
     note(f"the job: a torch.distributed.pipelining script; {read.get('text', '')}")
     return job
-
-
-def record_of(stored: dict[str, Any]) -> UserJob:
-    """The job a study's record describes: a torch pipelining script's or a DeepSpeed script's."""
-    return TorchScriptJob(**stored) if stored.get("engine") == TORCH else UserJob(**stored)
