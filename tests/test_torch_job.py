@@ -40,7 +40,7 @@ def test_the_schedules_that_fit_are_those_placing_stages_as_the_script_does(stag
 def _job(**kw) -> TorchScriptJob:
     base = {"argv": ["torchrun", "train.py"], "cwd": "/tmp", "parameters": 10, "pipeline_stages": 2,
             "data_parallel_size": 1, "micro_batch_size": 4, "gradient_accumulation_steps": 4,
-            "schedule": "GPipe", "step_batch": 16, "num_stages": 2, "stage_sets": [[0], [1]]}
+            "schedule": "GPipe", "step_batch": 16, "stage_sets": [[0], [1]]}
     return TorchScriptJob(**{**base, **kw})
 
 

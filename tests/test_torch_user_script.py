@@ -74,25 +74,45 @@ def test_a_torch_pipelining_script_is_tuned_unchanged(torch_script_study):
     assert st.alive_after == []
 
 
-@pytest.mark.slow
-def test_the_baseline_trial_trains_as_the_script_alone(torch_script_study, tmp_path):
-    """Parity in a trial: the baseline runs the script's own schedule object (nothing substituted);
-    its losses (fp32, same seed) are the script's alone, to 1e-6 relative."""
+ALONE_STEPS = 5
+"""Steps of the shared study's command run alone: its profiler (--profile-dir) records steps 2-3."""
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+            "OMP_NUM_THREADS": "1"}
+
+
+def _alone(argv: list[str], cwd: Path) -> str:
+    """The script run by torchrun alone, no autotune: its stdout."""
     import subprocess
 
     from autotune.trials.launcher import free_port
 
-    st = torch_script_study
-    logged = _losses((st.study / "trial-000" / "launcher.log").read_text())
+    proc = subprocess.run([argv[0], "--master-port", str(free_port()), *argv[1:]], cwd=cwd, capture_output=True,
+                          text=True, timeout=300, env=_env())
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc.stdout
+
+
+@pytest.fixture(scope="module")
+def script_alone(torch_script_study, tmp_path_factory) -> tuple[str, Path]:
+    """The shared study's command run alone once, ALONE_STEPS steps with its own profiler on: the
+    parity reference and a GPipe trace in one launch (the profiler only observes)."""
+    folder = tmp_path_factory.mktemp("alone")
+    argv = list(torch_script_study.command)
+    argv[argv.index("--steps") + 1] = str(ALONE_STEPS)
+    return _alone([*argv, "--profile-dir", str(folder / "prof")], folder), folder / "prof"
+
+
+@pytest.mark.slow
+def test_the_baseline_trial_trains_as_the_script_alone(torch_script_study, script_alone):
+    """Parity in a trial: the baseline runs the script's own schedule object (nothing substituted);
+    its losses (fp32, same seed) are the script's alone, to 1e-6 relative."""
+    logged = _losses((torch_script_study.study / "trial-000" / "launcher.log").read_text())
     assert len(logged) >= 2  # warm-up + measured steps; the last one's print never runs (the rank stops in it)
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
-           "OMP_NUM_THREADS": "1"}
-    argv = list(st.command)
-    argv[argv.index("--steps") + 1] = str(len(logged))
-    alone = subprocess.run([argv[0], "--master-port", str(free_port()), *argv[1:]], cwd=tmp_path,
-                           capture_output=True, text=True, timeout=300, env=env)
-    assert alone.returncode == 0, alone.stderr[-2000:]
-    assert logged == pytest.approx(_losses(alone.stdout), rel=1e-6)
+    alone = _losses(script_alone[0])
+    assert len(alone) == ALONE_STEPS and logged == pytest.approx(alone[:len(logged)], rel=1e-6)
 
 
 def _losses(text: str) -> list[float]:
@@ -113,8 +133,7 @@ def test_watch_instruments_the_users_schedule_and_leaves_its_training_unchanged(
 
     from autotune.trials.launcher import free_port
 
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
-           "OMP_NUM_THREADS": "1"}
+    env = _env()
     script = [str(SCRIPT), "--schedule", "1F1B", "--n-microbatches", "4", "--batch", "16", "--steps", "8",
               "--layers", "6"]
     alone = subprocess.run(["torchrun", "--nproc-per-node", "3", "--master-port", str(free_port()), *script], cwd=tmp_path,
@@ -145,27 +164,22 @@ def test_watch_instruments_the_users_schedule_and_leaves_its_training_unchanged(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("schedule", "n"), [("GPipe", 2), ("Interleaved1F1B", 4)])
-def test_advise_reads_a_torch_scripts_own_trace_by_its_schedule_labels(tmp_path, schedule, n):
+@pytest.mark.parametrize(("schedule", "n"), [(TORCH_OWN[0], TORCH_OWN[1]), ("Interleaved1F1B", 4)])
+def test_advise_reads_a_torch_scripts_own_trace_by_its_schedule_labels(script_alone, tmp_path, schedule, n):
     """The script's own torch.profiler trace (its --profile-dir): GPipe labels `Forward i` and
-    `Backward i`, the runtime schedules `PP:<stage><action><micro>`; both read as the pipeline's
-    instructions, so the micro-batches per step (distinct micro-batches: Interleaved1F1B's rank runs
-    two stages' forwards of each), and with them the ideal bubble, come from the trace alone."""
-    import subprocess
-
+    `Backward i` (the shared study's command run alone), the runtime schedules
+    `PP:<stage><action><micro>`; both read as the pipeline's instructions, so the micro-batches per
+    step (distinct micro-batches: Interleaved1F1B's rank runs two stages' forwards of each), and
+    with them the ideal bubble, come from the trace alone."""
     from autotune.loaders import load_inputs
     from autotune.traces.breakdown import breakdown
     from autotune.traces.rank_trace import read_rank_trace
-    from autotune.trials.launcher import free_port
 
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
-           "OMP_NUM_THREADS": "1"}
-    prof = tmp_path / "prof"
-    proc = subprocess.run(["torchrun", "--nproc-per-node", "2", "--master-port", str(free_port()), str(SCRIPT),
-                           "--schedule", schedule, "--n-microbatches", str(n), "--batch", "16", "--steps", "5",
-                           "--profile-dir", str(prof)], cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                          env=env)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    prof = script_alone[1]
+    if schedule != TORCH_OWN[0]:
+        prof = tmp_path / "prof"
+        _alone(["torchrun", "--nproc-per-node", "2", str(SCRIPT), "--schedule", schedule, "--n-microbatches",
+                str(n), "--batch", "16", "--steps", str(ALONE_STEPS), "--profile-dir", str(prof)], tmp_path)
     traces = [read_rank_trace(f) for f in sorted(prof.glob("*.json"))]
     assert len(traces) == 2
     for t in traces:

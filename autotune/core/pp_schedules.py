@@ -44,6 +44,20 @@ def class_name(name: str) -> str:
     return "Schedule" + name
 
 
+def name_of_class(cls_name: str) -> str:
+    """autotune's name of a torch schedule class (`Schedule1F1B` -> `1F1B`); a class autotune has
+    no name for (a schedule read from a CSV: `_PipelineScheduleRuntime`) keeps its own."""
+    short = cls_name[len("Schedule"):] if cls_name.startswith("Schedule") else cls_name
+    return short if short in SCHEDULES else cls_name
+
+
+def places(name: str, held: list[int], rank: int, ranks: int) -> bool:
+    """Whether schedule `name` puts exactly the stages `held` on rank `rank` of `ranks`."""
+    per_rank = len(held)
+    return (stages_per_rank(name, per_rank) == per_rank
+            and sorted(stage_ids(name, rank, ranks, per_rank)) == sorted(held))
+
+
 def installed() -> list[str]:
     """The names of SCHEDULES the installed torch offers, in SCHEDULES' order."""
     from torch.distributed.pipelining import schedules

@@ -117,11 +117,8 @@ def places_as(name: str, stages: list[Any]) -> bool:
 
     if name not in pp_schedules.SCHEDULES or not stages:
         return True  # a class autotune has no placement for: the controller chose it as the script's
-    ranks = int(getattr(stages[0], "group_size", 1))
-    rank = int(getattr(stages[0], "group_rank", 0))
-    held = sorted(int(s.stage_index) for s in stages)
-    return sorted(pp_schedules.stage_ids(name, rank, ranks, len(stages))) == held \
-        and pp_schedules.stages_per_rank(name, len(stages)) == len(stages)
+    return pp_schedules.places(name, [int(s.stage_index) for s in stages],
+                               int(getattr(stages[0], "group_rank", 0)), int(getattr(stages[0], "group_size", 1)))
 
 
 def schedule_stages(schedule: Any) -> list[Any]:
@@ -158,17 +155,29 @@ def describe(schedule: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> di
     }
 
 
-def job_text(markers: list[dict[str, Any]]) -> str:
-    """The job in words, from every rank's marker: stages, per rank, schedule, micro-batches,
-    micro-batch, data-parallel size and parameters."""
+def summarize(markers: list[dict[str, Any]]) -> dict[str, Any]:
+    """What every rank's marker says together: the schedule, `n_microbatches`, the step's batch
+    (where a rank holds it), the stage count, each rank's stages, the pipeline's ranks, the
+    data-parallel size and the parameters (each stage once)."""
     first = markers[0]
     params: dict[str, int] = {}
     for m in markers:
         params.update(m.get("stage_parameters") or {})
-    batch = next((m["step_batch"] for m in markers if m.get("step_batch")), None)
-    n = int(first.get("n_microbatches") or 0)
-    world, group = int(first.get("world_size") or 1), int(first.get("pipeline_group_size") or 1)
+    group = int(first.get("pipeline_group_size") or 1)
+    world = int(first.get("world_size") or group)
+    return {"schedule": first.get("schedule"), "n_microbatches": int(first.get("n_microbatches") or 0),
+            "step_batch": next((int(m["step_batch"]) for m in markers if m.get("step_batch")), None),
+            "num_stages": first.get("num_stages"), "pipeline_ranks": group,
+            "data_parallel": max(1, world // max(1, group)), "parameters": sum(params.values()),
+            "stage_sets": [list(s) for s in sorted({tuple(sorted(m.get("stage_indices") or [])) for m in markers})]}
+
+
+def job_text(markers: list[dict[str, Any]]) -> str:
+    """The job in words, from every rank's marker: stages, per rank, schedule, micro-batches,
+    micro-batch, data-parallel size and parameters."""
+    job = summarize(markers)
+    batch, n = job["step_batch"], job["n_microbatches"]
     micro = f", micro-batch {batch // n} (the step's batch {batch} over {n})" if batch and n and batch % n == 0 else ""
-    return (f"{first.get('num_stages')} stages ({len(first.get('stage_indices') or [])} per rank), schedule "
-            f"{first.get('schedule')}, n_microbatches {n}{micro}, data-parallel {max(1, world // max(1, group))}, "
-            f"{sum(params.values()):,} parameters")
+    return (f"{job['num_stages']} stages ({len(markers[0].get('stage_indices') or [])} per rank), schedule "
+            f"{job['schedule']}, n_microbatches {n}{micro}, data-parallel {job['data_parallel']}, "
+            f"{job['parameters']:,} parameters")

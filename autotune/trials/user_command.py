@@ -215,24 +215,14 @@ def probe_shape(command: UserCommand, *, ds_config: Path | None, cwd: Path, time
 
 def torch_shape(markers: list[dict]) -> PipelineShape:
     """A torch pipelining script's shape from its ranks' schedule markers (every rank reports at its
-    first step: autotune/rank/torch_schedule_probe.py `describe`)."""
-    from autotune.rank.torch_schedule_probe import job_text
+    first step: autotune/rank/torch_schedule_probe.py `describe`, `summarize`)."""
+    from autotune.rank.torch_schedule_probe import job_text, summarize
 
-    first = markers[0]
-    group = int(first.get("pipeline_group_size") or 1)
-    world = int(first.get("world_size") or group)
-    params: dict[str, int] = {}
-    for m in markers:
-        params.update(m.get("stage_parameters") or {})
-    batch = next((int(m["step_batch"]) for m in markers if m.get("step_batch")), None)
-    n = int(first.get("n_microbatches") or 0)
-    sets = sorted({tuple(sorted(m.get("stage_indices") or [])) for m in markers})
-    return PipelineShape(stages=group, data_parallel_size=max(1, world // group),
+    job = summarize(markers)
+    batch, n = job["step_batch"], job["n_microbatches"]
+    return PipelineShape(stages=job["pipeline_ranks"], data_parallel_size=job["data_parallel"],
                          micro_batch_size=batch // n if batch and n else 0, gradient_accumulation_steps=n,
-                         parameters=sum(params.values()), torch_pipelining={
-                             "schedule": first.get("schedule"), "n_microbatches": n, "step_batch": batch,
-                             "num_stages": first.get("num_stages"), "stage_sets": [list(s) for s in sets],
-                             "text": job_text(markers)})
+                         parameters=job["parameters"], torch_pipelining={**job, "text": job_text(markers)})
 
 
 class UserCommandRunner:

@@ -34,7 +34,7 @@ from autotune.core import pp_schedules
 from autotune.core.dsconfig import DsConfig
 from autotune.core.errors import UserError
 from autotune.core.knob import Knob
-from autotune.trials.user_command import BootstrapSettings, UserCommandRunner
+from autotune.trials.user_command import BootstrapSettings, UserCommandRunner, read_markers
 from autotune.usercmd.job import UserJob
 
 if TYPE_CHECKING:
@@ -82,15 +82,12 @@ class TorchScriptRunner(UserCommandRunner):
         """The trial; one whose schedule refuses its count (its constructor would raise in every
         rank) fails at once, unlaunched, with torch's reason (autotune/core/pp_schedules.py)."""
         job = self.script_job
-        name = request.knob_values.get(SCHEDULE_KNOB) or job.schedule
-        if name in pp_schedules.SCHEDULES:
-            why = pp_schedules.refuses(name, ranks=job.pipeline_stages or 2,
-                                       micro_batches=request.config.gradient_accumulation_steps,
-                                       virtual_stages=len(job.stage_sets[0]) if job.stage_sets else 1)
-            if why:
-                from autotune.trials.judge import failed
+        why = job.refuses(request.knob_values.get(SCHEDULE_KNOB) or job.schedule,
+                          request.config.gradient_accumulation_steps)
+        if why:
+            from autotune.trials.judge import failed
 
-                return failed(SCHEDULE_REFUSES, f"{why} (not launched)", 0.0)
+            return failed(SCHEDULE_REFUSES, f"{why} (not launched)", 0.0)
         return UserCommandRunner.run(self, request)
 
     def ds_config_for(self, config: TrialConfig) -> dict[str, object]:
@@ -108,9 +105,9 @@ class TorchScriptRunner(UserCommandRunner):
         except (OSError, ValueError):
             values = {}
         schedule = values.pop(SCHEDULE_KNOB, None) or self.script_job.schedule
-        ran = _ran_class(folder)  # what the rank built: the script's own where the class did not fit
-        if ran is not None:
-            schedule = ran[len("Schedule"):] if ran[len("Schedule"):] in pp_schedules.SCHEDULES else ran
+        ran = read_markers(folder, "engine")  # what the ranks built: the script's own where the class did not fit
+        if ran and isinstance(ran[0].get("engine"), str):
+            schedule = pp_schedules.name_of_class(ran[0]["engine"])
         n = best.config.gradient_accumulation_steps
         command = apply_knobs(self.command, values, self.knobs) if values and self.knobs else self.command
         torch_class = f"Schedule{schedule}" if schedule in pp_schedules.SCHEDULES else schedule
@@ -125,15 +122,6 @@ class TorchScriptRunner(UserCommandRunner):
         }
 
 
-def _ran_class(trial_dir: Path) -> str | None:
-    """The schedule class a trial's rank 0 ran (its engine marker, autotune/rank/hook.py)."""
-    try:
-        ran = json.loads((trial_dir / "engine-rank0.json").read_text(encoding="utf-8")).get("engine")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return ran if isinstance(ran, str) and ran else None
-
-
 @dataclass(kw_only=True, slots=True)
 class TorchScriptJob(UserJob):
     """The user's torch pipelining command as a study stores it (what its start-up check read)."""
@@ -145,7 +133,6 @@ class TorchScriptJob(UserJob):
     class's own name where autotune has none (a schedule read from a CSV)."""
     step_batch: int = 0
     """Samples one `step()` call trains on one pipeline (its first stage's input)."""
-    num_stages: int = 0
     stage_sets: list[list[int]] = field(default_factory=list)
     """The stages each pipeline rank holds (one list per rank, as the start-up check read them)."""
 
@@ -203,28 +190,29 @@ class TorchScriptJob(UserJob):
         for name in fitting(self.stage_sets, self.pipeline_stages or 2, pp_schedules.installed()):
             if name == self.schedule:
                 continue
-            why = pp_schedules.refuses(name, ranks=self.pipeline_stages or 2,
-                                       micro_batches=self.gradient_accumulation_steps or 1,
-                                       virtual_stages=len(self.stage_sets[0]) if self.stage_sets else 1)
+            why = self.refuses(name, self.gradient_accumulation_steps or 1)
             if why:
                 note(f"      schedule {name} not swept: {why} (the script's n_microbatches)")
             else:
                 values.append(name)
         return values
 
+    def refuses(self, name: str, n_microbatches: int) -> str | None:
+        """Why torch's schedule `name` refuses `n_microbatches` on this script's stages (None: it
+        builds; a class autotune has no name for is the script's own, which built)."""
+        if name not in pp_schedules.SCHEDULES:
+            return None
+        return pp_schedules.refuses(name, ranks=self.pipeline_stages or 2, micro_batches=n_microbatches,
+                                    virtual_stages=len(self.stage_sets[0]) if self.stage_sets else 1)
+
 
 def fitting(stage_sets: list[list[int]], ranks: int, installed: list[str]) -> list[str]:
-    """The installed schedules whose placement of stages on ranks is the script's."""
-    held = sorted(sorted(s) for s in stage_sets)
-    per_rank = len(stage_sets[0]) if stage_sets else 1
-    out = []
-    for name in installed:
-        if pp_schedules.stages_per_rank(name, per_rank) != per_rank:
-            continue
-        placed = sorted(sorted(pp_schedules.stage_ids(name, r, ranks, per_rank)) for r in range(ranks))
-        if placed == held:
-            out.append(name)
-    return out
+    """The installed schedules whose placement of stages on ranks is the script's: each rank's
+    stages are those the schedule puts on some rank (`pp_schedules.places`)."""
+    held = [sorted(s) for s in stage_sets]
+    return [name for name in installed
+            if len(held) == ranks and all(any(pp_schedules.places(name, h, r, ranks) for r in range(ranks))
+                                          for h in held)]
 
 
 def refuse_for_torch(opts: RunOptions) -> None:
@@ -258,13 +246,11 @@ def torch_job(argv: list[str], cwd: Path, shape: PipelineShape, note: Callable[[
                         "or a target); autotune needs it to keep each trial's batch the script's")
     if not n or batch % n:
         raise UserError(f"the script's n_microbatches {n} does not divide its step's batch {batch}")
-    own = read.get("schedule", "")
-    name = own[len("Schedule"):] if own.startswith("Schedule") and own[len("Schedule"):] in pp_schedules.SCHEDULES \
-        else own
+    name = pp_schedules.name_of_class(read.get("schedule") or "")
     job = TorchScriptJob(argv=list(argv), cwd=str(cwd), parameters=shape.parameters,
                          pipeline_stages=shape.stages, data_parallel_size=shape.data_parallel_size,
                          micro_batch_size=batch // n, gradient_accumulation_steps=n, schedule=name,
-                         step_batch=int(batch), num_stages=int(read.get("num_stages") or shape.stages),
+                         step_batch=int(batch),
                          stage_sets=[list(s) for s in read.get("stage_sets") or []])
     note(f"the job: a torch.distributed.pipelining script; {read.get('text', '')}")
     return job
