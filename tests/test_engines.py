@@ -70,9 +70,10 @@ def test_the_performance_models_tuner_is_refused_for_an_engine_it_does_not_model
     opts.tuner = "model"
     with pytest.raises(UserError, match="--tuner model: not available under --engine torch yet"):
         BuiltinJob().validate(opts)
-    ok = _opts("deepspeed")
-    ok.tuner = "model"
-    BuiltinJob().validate(ok)
+    for modelled in ("deepspeed", "zero"):  # the pipeline replay; a plain engine's step by ZeRO stage
+        ok = _opts(modelled)
+        ok.tuner = "model"
+        BuiltinJob().validate(ok)
 
 
 def test_the_launch_is_the_engines_and_so_are_warm_workers():

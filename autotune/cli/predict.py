@@ -19,11 +19,14 @@ _FORMAT = click.option("--format", "fmt", type=click.Choice(["text", "json"]), d
               help="pipeline.activation_checkpoint_interval (0: off) [default: 0].")
 @click.option("--stages", type=click.IntRange(min=1), help="Pipeline stages [default: the study's].")
 @click.option("--dp", type=click.IntRange(min=1), help="Data-parallel degree [default: the study's].")
-@click.option("--config", type=click.Path(), help="Take micro, GAS, bucket and checkpointing from a ds_config.json.")
+@click.option("--zero-stage", type=click.IntRange(0, 3),
+              help="zero_optimization.stage, for a plain-engine (ZeRO) study [default: the best trial's].")
+@click.option("--config", type=click.Path(),
+              help="Take micro, GAS, bucket, checkpointing (and a plain engine's ZeRO stage) from a ds_config.json.")
 @_FORMAT
 def predict_command(study: str, micro: int | None, gas: int | None, bucket: float | None, parts: str | None,
-                    checkpoint_interval: int | None, stages: int | None, dp: int | None, config: str | None,
-                    fmt: str) -> None:
+                    checkpoint_interval: int | None, stages: int | None, dp: int | None, zero_stage: int | None,
+                    config: str | None, fmt: str) -> None:
     """Predict samples/s, the step by term, the bubble and each stage's peak memory of a
     configuration STUDY has not run, from the model calibrated on STUDY's trials (docs/model.md)."""
     from autotune.model.render import leave_one_out, prediction_dict, prediction_text, to_json
@@ -32,7 +35,8 @@ def predict_command(study: str, micro: int | None, gas: int | None, bucket: floa
 
     model = model_of_study(study)
     layout = layout_from(model, micro=micro, gas=gas, bucket=bucket, parts=parts,
-                         checkpoint_interval=checkpoint_interval, stages=stages, dp=dp, config=config)
+                         checkpoint_interval=checkpoint_interval, stages=stages, dp=dp, config=config,
+                         zero_stage=zero_stage)
     p = predict(model.calibration, layout)
     loo = leave_one_out(model)
     click.echo(to_json(prediction_dict(model, p, loo)) if fmt == "json" else prediction_text(model, p, loo))

@@ -45,6 +45,8 @@ class StageMeasure:
     wait_seconds: float
     step_seconds: float
     peak_memory_bytes: float | None
+    gather_seconds: float | None = None
+    """A plain engine's all-gathers of the step (None: a pipeline, or an older CSV)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +75,10 @@ class Observation:
     """Tokens per sample (None: not a token model, or not known)."""
     zero_stage: int | None = None
     """The trial's `zero_optimization.stage` (None: not known; the bucket rule then lets it act)."""
+    plain_engine: bool = False
+    """A plain DeepSpeedEngine (no pipeline): its CSV times each collective and has no point-to-point."""
+    mixed_precision: bool | None = None
+    """fp16 or bf16 enabled in the trial's ds_config.json (None: not known)."""
 
     @property
     def ranks(self) -> int:
@@ -123,7 +129,16 @@ def observe_trial(trial_dir: Path, number: int, config: dict, checkpoint_interva
         step_seconds=float(config["step_seconds"]), samples_per_second=float(config["samples_per_second"]),
         device=device, stage=per_stage, layer_costs=lc,
         peak_memory_kind=lc.peak_memory_kind if lc else ("cuda_max_allocated" if device == "cuda" else "process_max_rss"),
-        parts=list(lc.parts) if lc else None, seq_length=_seq(c), zero_stage=config.get("zero_stage"))
+        parts=list(lc.parts) if lc else None, seq_length=_seq(c), zero_stage=config.get("zero_stage"),
+        plain_engine=_plain(c), mixed_precision=config.get("mixed_precision"))
+
+
+def _plain(c: Columns) -> bool:
+    """A plain engine writes its collective calls and no point-to-point (rank/instrument.py)."""
+    calls = c.get("collective_calls")
+    p2p = c.get("p2p_seconds")
+    return (calls is not None and bool(np.isfinite(calls).any())
+            and (p2p is None or not bool(np.isfinite(p2p).any())))
 
 
 def _seq(c: Columns) -> int | None:
@@ -170,7 +185,8 @@ def _stage_measure(c: Columns, ranks: list[int], device: str) -> StageMeasure:
                         optimizer_seconds=optimizer, reduce_seconds=reduce,
                         transfer_seconds=statistics.median(fastest) if fastest else None,
                         data_seconds=mean("data_seconds") or 0.0, wait_seconds=wait,
-                        step_seconds=mean("step_seconds") or 0.0, peak_memory_bytes=max(peak) if peak else None)
+                        step_seconds=mean("step_seconds") or 0.0, peak_memory_bytes=max(peak) if peak else None,
+                        gather_seconds=mean("gather_seconds"))
 
 
 def _min(c: Columns, name: str, rank: int) -> float | None:
@@ -196,12 +212,13 @@ def observe_study(root: str | Path) -> list[Observation]:
         if row.status != "ok" or not row.summary or not row.samples_per_second:
             continue
         s = row.summary
-        zero = _trial_zero_section(root / f"trial-{row.number:03d}")  # its ds_config.json, read once
+        raw = _trial_config(root / f"trial-{row.number:03d}")  # its ds_config.json, read once
+        zero = _zero_section(raw)
         config = {"micro_batch_size": row.config.micro_batch_size,
                   "gradient_accumulation_steps": row.config.gradient_accumulation_steps,
                   "reduce_bucket_size": _bucket(zero, row.config.reduce_bucket_size),
                   "step_seconds": s.get("step_seconds"), "samples_per_second": row.samples_per_second,
-                  "zero_stage": _zero_stage(zero)}
+                  "zero_stage": _zero_stage(zero), "mixed_precision": _mixed(raw)}
         if not config["step_seconds"] or not math.isfinite(config["step_seconds"]):
             continue
         obs = observe_trial(root / f"trial-{row.number:03d}", row.number, config,
@@ -211,15 +228,32 @@ def observe_study(root: str | Path) -> list[Observation]:
     return out
 
 
-def _trial_zero_section(trial_dir: Path) -> dict | None:
-    """The `zero_optimization` section of the trial's ds_config.json (None: none, or unreadable)."""
+def _trial_config(trial_dir: Path) -> dict | None:
+    """The trial's ds_config.json (None: unreadable)."""
     import json
 
     try:
         raw = json.loads((trial_dir / "ds_config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
-    zero = raw.get("zero_optimization") if isinstance(raw, dict) else None
+    return raw if isinstance(raw, dict) else None
+
+
+def _mixed(raw: dict | None) -> bool | None:
+    """fp16 or bf16 enabled (DeepSpeed's sections; "auto" counts as not known)."""
+    if raw is None:
+        return None
+    flags = [sec.get("enabled") for k in ("fp16", "bf16") if isinstance(sec := raw.get(k), dict)]
+    if any(f == "auto" for f in flags):
+        return None
+    return any(f is True for f in flags)
+
+
+def _zero_section(raw: dict | None) -> dict | None:
+    """The `zero_optimization` section of a trial's config (None: no config read)."""
+    if raw is None:
+        return None
+    zero = raw.get("zero_optimization")
     return zero if isinstance(zero, dict) else ({} if isinstance(raw, dict) else None)
 
 

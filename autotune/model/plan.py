@@ -29,67 +29,22 @@ extrapolation, and the plan says so first.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 
 from autotune.core.errors import UserError
 from autotune.core.partition import balanced_parts, in_flight
 from autotune.core.space import powers_of_two
-from autotune.model.hardware import Hardware
+from autotune.model.plan_types import HEADROOM, Cluster, Plan, PlannedLayout
 from autotune.model.schedule import StageTimes, replay
 from autotune.model.step_model import DEFAULT_BUCKET, Calibration, Layout, predict
 from autotune.model.study_model import StudyModel
+from autotune.model.zero_plan import plan_plain
+
+__all__ = ["Cluster", "Plan", "PlannedLayout", "plan", "reason"]
 
 HALF, FP32 = 2, 4
 ADAM_UPDATE_BYTES = 32
 """Bytes one parameter's Adam update moves through memory: read fp32 master, two moments and
 the gradient, write them back and the half-precision weight."""
-HEADROOM = 0.10
-"""Share of the device's memory a plan leaves free (fragmentation, workspaces, the model's error)."""
-
-
-@dataclass(frozen=True, slots=True)
-class Cluster:
-    gpus: int
-    gpus_per_node: int
-    hardware: Hardware | None
-    """None: the study's own device (a GPU study planned onto more of the same GPUs)."""
-    global_batch: int
-    device_memory: float | None = None
-    """Bytes per GPU where no preset gives them (a GPU study planned onto its own device)."""
-
-
-@dataclass(frozen=True, slots=True)
-class PlannedLayout:
-    layout: Layout
-    parts: list[int]
-    samples_per_second: float
-    step_seconds: float
-    bubble_fraction: float
-    stage_memory_bytes: list[float]
-    memory_limit_bytes: float | None
-    terms: dict[str, float]
-
-    @property
-    def fits(self) -> bool:
-        return self.memory_limit_bytes is None or max(self.stage_memory_bytes) <= self.memory_limit_bytes
-
-    @property
-    def overflow(self) -> tuple[int, float]:
-        """(the stage that needs the most, by how many bytes it is over the limit)."""
-        s = max(range(len(self.stage_memory_bytes)), key=lambda i: self.stage_memory_bytes[i])
-        return s, self.stage_memory_bytes[s] - (self.memory_limit_bytes or math.inf)
-
-
-@dataclass(frozen=True, slots=True)
-class Plan:
-    cluster: Cluster
-    ranked: list[PlannedLayout]
-    """Layouts that fit, fastest first."""
-    too_big: list[PlannedLayout]
-    """Layouts that do not fit, least over first."""
-    notes: list[str] = field(default_factory=list)
-    scaled: list[str] = field(default_factory=list)
-    """What every time and byte of the plan took from the preset rather than a measurement."""
 
 
 def model_shape(model: StudyModel) -> tuple[int | None, int | None, str]:
@@ -112,6 +67,8 @@ def model_shape(model: StudyModel) -> tuple[int | None, int | None, str]:
 def plan(model: StudyModel, cluster: Cluster, *, stages: int | None = None, dp: int | None = None) -> Plan:
     """Every layout of `cluster`, predicted; a UserError where the cluster cannot hold the job."""
     cal = model.calibration
+    if cal.zero is not None:
+        return plan_plain(model, cluster, stages=stages, dp=dp)
     if cal.layers is None:
         from autotune.rank.layer_costs import HOW_TO_MEASURE
 
@@ -252,15 +209,16 @@ def _on_target(model: StudyModel, lay: Layout, cluster: Cluster, seq: int | None
 def reason(x: PlannedLayout, best: PlannedLayout | None) -> str:
     """Why a layout ranks where it does, in a few words."""
     lay = x.layout
-    bits = [f"bubble {x.bubble_fraction * 100:.0f} %"]
+    bits = [f"bubble {x.bubble_fraction * 100:.0f} %"] if x.bubble_fraction is not None else []
     dominant = max(("transfer", "reduce", "optimizer", "engine", "wait"), key=lambda k: x.terms.get(k, 0.0))
     if x.terms.get(dominant, 0.0) > 0.1 * x.step_seconds:
         bits.append(f"{dominant} {x.terms[dominant] / x.step_seconds * 100:.0f} % of the step")
     if lay.checkpoint_interval:
         bits.append("recompute costs a forward")
-    if x.memory_limit_bytes:
+    if x.memory_limit_bytes and math.isfinite(max(x.stage_memory_bytes)):
         head = x.memory_limit_bytes - max(x.stage_memory_bytes)
-        bits.append(f"{head / 2**30:,.1f} GiB headroom on the fullest stage")
+        where = "per rank" if x.bubble_fraction is None else "on the fullest stage"
+        bits.append(f"{head / 2**30:,.1f} GiB headroom {where}")
     if best is not None and best is not x:
         bits.append(f"{(x.samples_per_second / best.samples_per_second - 1) * 100:+.1f} % vs the first")
     return "; ".join(bits)

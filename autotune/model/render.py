@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -88,6 +89,9 @@ def _layout_text(p: Prediction) -> str:
     bucket = "-" if lay.reduce_bucket_size is None else fmt_bucket(lay.reduce_bucket_size)
     ckpt = f", checkpoint every {lay.checkpoint_interval}" if lay.checkpoint_interval else ""
     parts = f", parts {p.parts}" if p.parts else ""
+    if p.bubble_fraction is None:  # a plain engine: its ZeRO stage, no stages
+        return (f"micro {lay.micro_batch_size}, GAS {lay.gradient_accumulation_steps}, bucket {bucket}, "
+                f"ZeRO-{lay.zero_stage}, {lay.data_parallel_size} dp (not a pipeline job)")
     return (f"micro {lay.micro_batch_size}, GAS {lay.gradient_accumulation_steps}, bucket {bucket}, "
             f"{lay.stages} stages x {lay.data_parallel_size} dp{parts}{ckpt}")
 
@@ -100,6 +104,7 @@ def measured_match(model: StudyModel, p: Prediction) -> Observation | None:
              o.reduce_bucket_size, o.checkpoint_interval)
                 == (lay.micro_batch_size, lay.gradient_accumulation_steps, lay.stages, lay.data_parallel_size,
                     lay.reduce_bucket_size, lay.checkpoint_interval)
+                and (lay.zero_stage is None or o.zero_stage is None or o.zero_stage == lay.zero_stage)
                 and (p.parts is None or o.parts is None or list(o.parts) == list(p.parts))):
             return o
     return None
@@ -114,12 +119,19 @@ def prediction_text(model: StudyModel, p: Prediction, loo: LeaveOneOut) -> str:
     if seen is not None:
         lines.append(f"  measured    {seen.samples_per_second:,.1f} in trial {seen.trial} "
                      f"({(p.samples_per_second / seen.samples_per_second - 1) * 100:+.1f} % predicted)")
-    lines.append("  step by term (slowest stage): " + ", ".join(
+    lines.append("  step by term" + (" (slowest stage)" if p.bubble_fraction is not None else "") + ": " + ", ".join(
         f"{k} {p.terms[k] * 1000:.1f} ms" for k in TERM_ORDER if p.terms.get(k, 0) > 0 or k == "compute"))
-    lines.append(f"  bubble      {p.bubble_fraction * 100:.1f} % of the schedule (ideal 1F1B "
-                 f"{(p.layout.stages - 1) / (p.layout.gradient_accumulation_steps + p.layout.stages - 1) * 100:.1f} %)")
-    if p.stage_memory_bytes is not None:
-        kind = {"process_max_rss": "the process's peak resident set", "cuda_max_allocated": "CUDA peak allocated"}
+    if p.bubble_fraction is None:
+        lines.append("  bubble      not a pipeline job")
+    else:
+        lines.append(f"  bubble      {p.bubble_fraction * 100:.1f} % of the schedule (ideal 1F1B "
+                     f"{(p.layout.stages - 1) / (p.layout.gradient_accumulation_steps + p.layout.stages - 1) * 100:.1f} %)")
+    kind = {"process_max_rss": "the process's peak resident set", "cuda_max_allocated": "CUDA peak allocated"}
+    if p.bubble_fraction is None:  # a plain engine: one figure per rank, or its notes say why none
+        if p.stage_memory_bytes is not None:
+            lines.append(f"  peak memory {p.stage_memory_bytes[0] / 2**20:,.0f} MiB per rank "
+                         f"({kind.get(cal.memory_kind or '', cal.memory_kind)})")
+    elif p.stage_memory_bytes is not None:
         lines.append("  peak memory " + ", ".join(f"stage {s} {b / 2**20:,.0f} MiB" for s, b in enumerate(p.stage_memory_bytes))
                      + f" ({kind.get(cal.memory_kind or '', cal.memory_kind)})")
     else:
@@ -146,6 +158,7 @@ def prediction_dict(model: StudyModel, p: Prediction, loo: LeaveOneOut) -> dict[
             "step_seconds": p.step_seconds,
             "terms_seconds": {k: p.terms.get(k, 0.0) for k in TERM_ORDER},
             "bubble_fraction": p.bubble_fraction,
+            "bubble_missing": "not a pipeline job" if p.bubble_fraction is None else None,
             "stage_peak_memory_bytes": p.stage_memory_bytes,
             "memory_kind": model.calibration.memory_kind if p.stage_memory_bytes is not None else None,
             "measured_terms": p.measured_terms, "extrapolated": p.extrapolated, "notes": p.notes,
@@ -154,7 +167,14 @@ def prediction_dict(model: StudyModel, p: Prediction, loo: LeaveOneOut) -> dict[
 
 
 def calibration_dict(cal: Calibration) -> dict[str, object]:
-    return {"trials": cal.trials, "device": cal.device, "stages": cal.stages,
+    zero = None
+    if cal.zero is not None:
+        zero = {"reference_stage": cal.zero.reference_stage, "default_stage": cal.zero.default_stage,
+                "stages_measured": sorted(cal.zero.stages), "seconds_per_volume": cal.zero.seconds_per_volume,
+                "reduce_per_bucket_seconds": cal.zero.reduce_per_bucket,
+                "work_factor": {str(z): t.work_factor for z, t in sorted(cal.zero.stages.items())}}
+    return {"job": "plain engine" if cal.zero is not None else "pipeline", "zero": zero,
+            "trials": cal.trials, "device": cal.device, "stages": cal.stages,
             "data_parallel_size": cal.data_parallel_size, "parts": cal.parts, "cores": cal.cores,
             "micro_batches_measured": cal.micro_batches_measured, "layer_costs": cal.layers is not None,
             "overhead_per_step_seconds": cal.overhead_per_step, "overhead_per_micro_seconds": cal.overhead_per_micro,
@@ -197,12 +217,19 @@ def plan_text(plan: Plan, top: int, loo: LeaveOneOut | None = None) -> str:
     best = plan.ranked[0] if plan.ranked else None
     lines.append(f"{'rank':>4}  {'stages x dp':>11}  {'micro':>5}  {'GAS':>4}  {'ckpt':>4}  {'samples/s':>11}  "
                  f"{'step ms':>9}  {'peak GiB':>8}  parts / why")
+    plain = bool(plan.ranked or plan.too_big) and (plan.ranked or plan.too_big)[0].bubble_fraction is None
+    if plain:  # a plain engine: its ZeRO stage where a pipeline has stages and a partition
+        lines[-1] = (f"{'rank':>4}  {'ZeRO x dp':>11}  {'micro':>5}  {'GAS':>4}  {'ckpt':>4}  {'samples/s':>11}  "
+                     f"{'step ms':>9}  {'peak GiB':>8}  why")
     for i, x in enumerate(plan.ranked[:top], 1):
         lay = x.layout
-        lines.append(f"{i:>4}  {f'{lay.stages} x {lay.data_parallel_size}':>11}  {lay.micro_batch_size:>5}  "
+        peak = max(x.stage_memory_bytes)
+        shape = f"{lay.zero_stage} x {lay.data_parallel_size}" if plain else f"{lay.stages} x {lay.data_parallel_size}"
+        lines.append(f"{i:>4}  {shape:>11}  {lay.micro_batch_size:>5}  "
                      f"{lay.gradient_accumulation_steps:>4}  {'on' if lay.checkpoint_interval else 'off':>4}  "
                      f"{x.samples_per_second:>11,.1f}  {x.step_seconds * 1000:>9.2f}  "
-                     f"{max(x.stage_memory_bytes) / 2**30:>8.2f}  {x.parts}: {reason(x, best)}"
+                     f"{f'{peak / 2**30:.2f}' if math.isfinite(peak) else '-':>8}  "
+                     + ("" if plain else f"{x.parts}: ") + reason(x, best)
                      + (f" ({iv.level:.0%}: {iv.low:,.1f}-{iv.high:,.1f})" if (iv := ivs[i - 1]) else ""))
     if len(plan.ranked) > top:
         lines.append(f"  ... {len(plan.ranked) - top} more layouts fit (--top to list them)")
@@ -213,9 +240,11 @@ def plan_text(plan: Plan, top: int, loo: LeaveOneOut | None = None) -> str:
         for x in plan.too_big[:top]:
             s, over = x.overflow
             lay = x.layout
-            lines.append(f"      {lay.stages} x {lay.data_parallel_size}, micro {lay.micro_batch_size}, GAS "
+            where = (f"ZeRO-{lay.zero_stage} x {lay.data_parallel_size} dp" if plain
+                     else f"{lay.stages} x {lay.data_parallel_size}")
+            lines.append(f"      {where}, micro {lay.micro_batch_size}, GAS "
                          f"{lay.gradient_accumulation_steps}, ckpt {'on' if lay.checkpoint_interval else 'off'}: "
-                         f"stage {s} needs {x.stage_memory_bytes[s] / 2**30:,.2f} GiB, "
+                         + ("each rank needs" if plain else f"stage {s} needs") + f" {x.stage_memory_bytes[s] / 2**30:,.2f} GiB, "
                          f"{over / 2**30:,.2f} GiB over the {x.memory_limit_bytes / 2**30 if x.memory_limit_bytes else 0:,.2f} GiB it may use")
     return "\n".join(lines)
 

@@ -45,6 +45,8 @@ from autotune.core.partition import in_flight
 from autotune.model.fits import GrowthFit, fit_growth, nonnegative_least_squares
 from autotune.model.observations import Observation
 from autotune.model.schedule import StageTimes, replay
+from autotune.model.zero_step import ZeroTerms, calibrate_zero, is_plain
+from autotune.model.zero_step import step as zero_step
 
 DEFAULT_BUCKET = DEEPSPEED_DEFAULT_BUCKET
 """DeepSpeed's reduce_bucket_size when the config sets none, and ZeRO-0's fixed bucket: a trial
@@ -122,7 +124,9 @@ class Calibration:
     memory_kind: str | None
     notes: list[str] = field(default_factory=list)
     zero_stage: int | None = None
-    """The calibrating trials' ZeRO stage (None: not known)."""
+    """The calibrating trials' ZeRO stage (None: not known); a plain engine's: its best trial's."""
+    zero: ZeroTerms | None = None
+    """A plain engine's terms (autotune/model/zero_step.py); None: a pipeline."""
 
     @property
     def num_layers(self) -> int | None:
@@ -145,6 +149,8 @@ def calibrate(observations: Sequence[Observation], *, cores: float | None = None
     notes: list[str] = []
     if device != "cpu":
         cores = None
+    if is_plain(obs):
+        return _calibrate_plain(obs, cores, model_parameters)
     tail = core_share(cores, p * dp)  # the measured wall times of the step's tail, as each rank's work
 
     micro = [o.micro_batch_size for o in obs]
@@ -215,6 +221,21 @@ def calibrate(observations: Sequence[Observation], *, cores: float | None = None
     o0, o1 = _fit_engine(cal, obs, tail)
     fixed = _memory_fixed(cal, obs)
     return _replace(cal, overhead_per_step=o0, overhead_per_micro=o1, memory_fixed_bytes=fixed)
+
+
+def _calibrate_plain(obs: Sequence[Observation], cores: float | None, model_parameters: int | None) -> Calibration:
+    """A plain engine's calibration: its ZeRO terms, and the pipeline fields as one stage."""
+    dp = obs[0].data_parallel_size
+    zero = calibrate_zero(obs, share=core_share(cores, dp), parameters=model_parameters)
+    return Calibration(
+        trials=[o.trial for o in obs], device=obs[0].device, stages=1, data_parallel_size=dp, parts=None,
+        micro_batches_measured=_sizes(obs), cores=cores, stage_work=[zero.work], layers=None, work_scale=[1.0],
+        forward_share=[1 / 3], transfer=None, reduce_per_bucket=zero.reduce_per_bucket, reduce_per_step=0.0,
+        buckets_measured=sorted({t.buckets for t in zero.stages.values()}), model_parameters=model_parameters,
+        optimizer_per_parameter=None, optimizer_seconds=[statistics.median([o.stage[0].optimizer_seconds for o in obs])],
+        data_per_micro=[0.0], overhead_per_step=0.0, overhead_per_micro=0.0,
+        memory_fixed_bytes=None, memory_kind=obs[0].peak_memory_kind, notes=list(zero.notes),
+        zero_stage=zero.default_stage, zero=zero)
 
 
 def core_share(cores: float | None, ranks: int) -> float:
@@ -383,7 +404,8 @@ class Prediction:
     terms: dict[str, float]
     """Seconds of the slowest stage's step by term: compute, recompute, transfer, wait, reduce,
     optimizer, data, engine."""
-    bubble_fraction: float
+    bubble_fraction: float | None
+    """None: not a pipeline job (a plain engine has no bubble, not a bubble of 0)."""
     stage_compute_seconds: list[float]
     stage_memory_bytes: list[float] | None
     measured_terms: list[str]
@@ -402,6 +424,11 @@ def _check(cal: Calibration, layout: Layout) -> None:
         raise UserError("micro-batch and gradient accumulation steps must be >= 1")
     if layout.stages < 1 or layout.data_parallel_size < 1:
         raise UserError("stages and dp must be >= 1")
+    if cal.zero is not None:
+        _check_plain(cal, layout)
+        return
+    if layout.zero_stage not in (None, cal.zero_stage) and layout.zero_stage in (2, 3):
+        raise UserError(f"ZeRO-{layout.zero_stage} with a pipeline: DeepSpeed's pipeline engine refuses ZeRO-2 and 3")
     n = cal.num_layers
     if cal.layers is None and (layout.stages != cal.stages or (layout.parts and list(layout.parts) != cal.parts)):
         from autotune.rank.layer_costs import HOW_TO_MEASURE
@@ -420,6 +447,14 @@ def _check(cal: Calibration, layout: Layout) -> None:
         check_parts(list(layout.parts), n if n is not None else layout.parts[-1], layout.stages)
 
 
+def _check_plain(cal: Calibration, layout: Layout) -> None:
+    if layout.stages != 1 or layout.parts or layout.checkpoint_interval:
+        raise UserError("the study ran a plain DeepSpeedEngine (no pipeline): stages, parts and the pipeline's "
+                        "activation checkpointing need a pipeline study (`autotune run` of a PipelineModule job)")
+    if layout.zero_stage is not None and layout.zero_stage not in (0, 1, 2, 3):
+        raise UserError(f"--zero-stage {layout.zero_stage}: DeepSpeed's ZeRO stages are 0-3")
+
+
 def default_parts(cal: Calibration, stages: int, micro: int) -> list[int] | None:
     """The calibrated partition at its stage count; at another, the one that balances the modelled work."""
     if cal.layers is None:
@@ -434,6 +469,8 @@ def default_parts(cal: Calibration, stages: int, micro: int) -> list[int] | None
 
 
 def _step(cal: Calibration, layout: Layout) -> Prediction:
+    if cal.zero is not None:
+        return _plain_step(cal, cal.zero, layout)
     p, dp, b, m = layout.stages, layout.data_parallel_size, layout.micro_batch_size, layout.gradient_accumulation_steps
     parts = list(layout.parts) if layout.parts else default_parts(cal, p, b)
     measured, extrapolated, notes = [], [], list(cal.notes)
@@ -506,6 +543,23 @@ def _step(cal: Calibration, layout: Layout) -> Prediction:
                       terms=terms, bubble_fraction=run.bubble_fraction,
                       stage_compute_seconds=[t.forward * m + t.backward * m for t in times],
                       stage_memory_bytes=memory, measured_terms=measured, extrapolated=extrapolated, notes=notes)
+
+
+def _plain_step(cal: Calibration, zero: ZeroTerms, layout: Layout) -> Prediction:
+    dp = layout.data_parallel_size
+    z = zero_step(zero, micro=layout.micro_batch_size, gas=layout.gradient_accumulation_steps, dp=dp,
+                  bucket=layout.reduce_bucket_size, stage=layout.zero_stage, calibrated_dp=cal.data_parallel_size,
+                  share=core_share(cal.cores, dp), measured_micro=cal.micro_batches_measured)
+    stage = zero.default_stage if layout.zero_stage is None else layout.zero_stage
+    measured = ["compute", "reduce", "optimizer", "engine"] if cal.data_parallel_size > 1 else ["compute", "optimizer", "engine"]
+    extrapolated = list(z.extrapolated)
+    if cal.cores is not None and dp != cal.data_parallel_size:
+        extrapolated.append(f"core sharing at {dp} ranks (measured at {cal.data_parallel_size})")
+    return Prediction(layout=replace(layout, zero_stage=stage), parts=None, step_seconds=z.step_seconds,
+                      samples_per_second=layout.global_batch / z.step_seconds, terms=z.terms, bubble_fraction=None,
+                      stage_compute_seconds=[z.compute_seconds],
+                      stage_memory_bytes=[z.memory_bytes] if z.memory_bytes is not None else None,
+                      measured_terms=measured, extrapolated=extrapolated, notes=z.notes)
 
 
 def _reduce(cal: Calibration, parameters: float, layout: Layout) -> float:

@@ -57,7 +57,7 @@ def model_of_study(root: str | Path) -> StudyModel:
 
 def layout_from(model: StudyModel, *, micro: int | None, gas: int | None, bucket: float | None,
                 parts: str | None, checkpoint_interval: int | None, stages: int | None, dp: int | None,
-                config: str | None = None) -> Layout:
+                config: str | None = None, zero_stage: int | None = None) -> Layout:
     """The layout the options name; what they leave out is the study's best trial's."""
     from autotune.core.partition import parse_parts
 
@@ -72,6 +72,8 @@ def layout_from(model: StudyModel, *, micro: int | None, gas: int | None, bucket
         gas = gas or ds.gradient_accumulation_steps
         bucket = bucket if bucket is not None else ds.reduce_bucket_size
         checkpoint_interval = checkpoint_interval if checkpoint_interval is not None else ckpt_of(ds.raw)
+        if zero_stage is None and cal.zero is not None:
+            zero_stage = ds.zero_stage
     p = stages or cal.stages
     d = dp or cal.data_parallel_size
     m = micro or best.micro_batch_size
@@ -88,4 +90,4 @@ def layout_from(model: StudyModel, *, micro: int | None, gas: int | None, bucket
             p = len(bounds) - 1
     return Layout(micro_batch_size=m, gradient_accumulation_steps=gas, stages=p, data_parallel_size=d,
                   reduce_bucket_size=int(bucket) if bucket is not None else best.reduce_bucket_size,
-                  parts=bounds, checkpoint_interval=checkpoint_interval or 0)
+                  parts=bounds, checkpoint_interval=checkpoint_interval or 0, zero_stage=zero_stage)

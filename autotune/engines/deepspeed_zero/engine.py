@@ -9,8 +9,8 @@ bucket it searches is `reduce_bucket_size`, which buckets the reduction at ZeRO 
 
 What it does not do yet, refused in one line rather than ignored: the pipeline-only options
 (`--stages`, partitions, layer costs, activation checkpointing of a PipelineModule, the
-slowdown hooks), profiler traces, several nodes, and the performance model's tuner (it replays
-DeepSpeed's pipeline TrainSchedule).
+slowdown hooks), profiler traces and several nodes. The performance model's tuner (`--tuner
+model`) runs on autotune/model/zero_step.py, the model of a plain engine's step by ZeRO stage.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ class DeepSpeedZero:
     launch = DEEPSPEED_LAUNCH  # the same rank entry and warm worker: the rank builds by --engine
     workload_knobs: frozenset[str] = frozenset()
     config_knobs = frozenset(ZERO_KNOBS)
-    step_model: str | None = None
+    step_model: str | None = "a plain engine's step by ZeRO stage (autotune/model/zero_step.py)"
 
     def validate(self, opts: RunOptions) -> None:
         wl, defaults = opts.workload, WorkloadOptions()

@@ -189,7 +189,8 @@ class ModelGuidedProposer:
         cal = model.calibration
         iv = interval(1.0, held_out(model))
         self.half_width = iv.half_width_log if iv is not None else None
-        acts = cal.zero_stage is None or reduce_bucket_acts(cal.zero_stage, cal.data_parallel_size)
+        acts = cal.zero_stage is None or reduce_bucket_acts(cal.zero_stage, cal.data_parallel_size,
+                                                            pipeline=cal.zero is None)
         self._buckets_measured = cal.buckets_measured if acts else None
         if len(cal.micro_batches_measured) < 2:
             return None
