@@ -1,6 +1,6 @@
 """How well the plain-engine (ZeRO) model predicts layouts its study did not run (issue 42).
 
-    .venv/bin/python benchmarks/zero_model_accuracy.py [--out DIR] [--budget 8] [--repeats 2]
+    .venv/bin/python benchmarks/zero_model_accuracy.py [--out DIR] [--budget 8] [--repeats 2] [--tuner model]
 
 Steps, all real DeepSpeed runs on this machine (`DS_ACCELERATOR=cpu`, the tiny decoder, 2 ranks):
 1. the calibration: `autotune run --engine zero --budget N` as a user runs it (the ZeRO sweep at
@@ -44,6 +44,10 @@ def run_target(stage: int, micro: int, folder: Path, steps: int) -> float:
     from autotune.model.observations import observe_study
 
     folder.mkdir(parents=True, exist_ok=True)
+    if (folder / "st" / "study.db").exists():  # launched by an earlier run into the same --out
+        obs = observe_study(folder / "st")
+        if obs:
+            return obs[0].samples_per_second
     cfg = folder / "ds_config.json"
     cfg.write_text(json.dumps({"train_batch_size": GLOBAL_BATCH, "train_micro_batch_size_per_gpu": micro,
                                "gradient_accumulation_steps": GLOBAL_BATCH // (2 * micro),
@@ -64,6 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--tuner", default="hybrid", help="the calibration study's --tuner (model: it explores the "
+                    "farthest micro-batch first)")
+    ap.add_argument("--calibration", default=None, help="an existing plain-engine study to calibrate on instead")
     args = ap.parse_args(argv)
     from autotune.model.observations import observe_study
     from autotune.model.render import leave_one_out
@@ -73,13 +80,14 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out or tempfile.mkdtemp(prefix="zero-model-"))
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
-    study = out / "calibration"
+    study = Path(args.calibration) if args.calibration else out / f"calibration-{args.tuner}"
     if not (study / "study.db").exists():
-        autotune("run", "--engine", "zero", "--study", str(study), "--budget", str(args.budget), "--no-metrics", cwd=out)
+        autotune("run", "--engine", "zero", "--study", str(study), "--budget", str(args.budget), "--tuner", args.tuner,
+                 "--no-metrics", cwd=out)
     ran = {(o.zero_stage, o.micro_batch_size) for o in observe_study(study)}
     model = model_of_study(study)
     loo = leave_one_out(model)
-    print(f"calibration: `autotune run --engine zero --budget {args.budget}` ({study}): stages "
+    print(f"calibration: `autotune run --engine zero --budget {args.budget} --tuner {args.tuner}` ({study}): stages "
           f"{sorted(model.calibration.zero.stages) if model.calibration.zero else '?'}, micro-batches "
           f"{model.calibration.micro_batches_measured}; leave-one-out error "
           f"{(loo.mape or 0) * 100:.1f} % over {len(loo.points)} trials", flush=True)

@@ -268,6 +268,62 @@ def test_zero_0_kept_drops_the_reducers_knobs(tmp_path):
     assert sum("not swept: ZeRO-0 kept" in line for line in notes) == len(ZERO_KNOBS) - 1, notes
 
 
+def _swept(tmp_path, stage: str, parameters: int | None, speed_of_stage: dict[str, float]) -> tuple[list[str], list[str]]:
+    """Drive the ZeRO sweep from a ZeRO-1 baseline at 100 samples/s: (the knob trials it ran, its notes)."""
+    notes: list[str] = []
+    base = DsConfig.from_dict({"train_batch_size": 16, "zero_optimization": {"stage": 1}}, source="t")
+    sweep = Driven(zero_sweep(base, tmp_path, notes.append, parameters=parameters))
+    cfg = TrialConfig(micro_batch_size=2, gradient_accumulation_steps=4)
+    sweep.after(0, Proposal(config=cfg, source="baseline"), True, 100.0, None)
+    ran, n = [], 0
+    while (p := sweep.next_proposal()) is not None:
+        n += 1
+        name, value = p.source.removeprefix("knob:").split("=")
+        ran.append(name)
+        sweep.before(n, p)
+        sweep.after(n, p, True, speed_of_stage.get(value, 100.0) if name == STAGE_KNOB else 100.0, None)
+    assert sweep.kept[STAGE_KNOB] == stage
+    return ran, notes
+
+
+@pytest.mark.parametrize(("stage", "swept", "dropped"), [
+    ("3", {"zero_optimization.stage3_prefetch_bucket_size", "zero_optimization.stage3_param_persistence_threshold",
+           "zero_optimization.stage3_max_live_parameters"}, {"zero_optimization.allgather_bucket_size"}),
+    ("1", {"zero_optimization.allgather_bucket_size"},
+     {"zero_optimization.stage3_prefetch_bucket_size", "zero_optimization.stage3_max_live_parameters"}),
+])
+def test_the_size_settings_are_swept_only_at_the_stage_they_act(tmp_path, stage, swept, dropped):
+    """A 2e9-parameter model: ZeRO-3 kept sweeps the stage-3 sizes and not the ZeRO-1/2 gather's
+    bucket; ZeRO-1 kept the other way round."""
+    ran, notes = _swept(tmp_path, stage, 2_000_000_000, {"3": 300.0} if stage == "3" else {})
+    assert swept <= set(ran) and not dropped & set(ran), ran
+    assert all(any(f"{k.removeprefix('zero_optimization.')}" in line and "not swept" in line for line in notes)
+               for k in dropped), notes
+
+
+def test_a_model_within_every_size_tried_sweeps_none_of_them(tmp_path):
+    """The tiny decoder's 234,048 parameters make one call at every bucket tried: no trial for them."""
+    ran, notes = _swept(tmp_path, "1", 234_048, {})
+    assert not any(k.startswith("zero_optimization.stage3_") or k.endswith("allgather_bucket_size") for k in ran), ran
+    assert any("234,048 parameters are within every value tried" in line for line in notes), notes
+
+
+def test_deepspeed_accepts_every_size_value_the_sweep_writes():
+    """Each value the sweep may write, in the config section DeepSpeed 0.19.8 validates (its
+    pydantic model, `extra="forbid"`), at the stage it is swept at."""
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    from autotune.engines.deepspeed_zero.engine import SIZE_VALUES, STAGE3_ONLY
+
+    for dotted, values in SIZE_VALUES.items():
+        for v in values:
+            section = with_settings({"zero_optimization": {"stage": 3 if dotted in STAGE3_ONLY else 2}},
+                                    {dotted: v})["zero_optimization"]
+            cfg = DeepSpeedZeroConfig(**section)
+            field = dotted.removeprefix("zero_optimization.").removeprefix("stage3_")
+            assert int(getattr(cfg, field)) == int(v), (dotted, v)
+
+
 # -- the user's own plain-engine script (examples/zero_train.py), unchanged ----------------------
 def test_the_users_own_zero_script_is_tuned_unchanged(usercmd_zero_study):
     """Its own loop of forward, backward and step: every trial ends after its steps at an

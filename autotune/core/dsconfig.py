@@ -345,8 +345,18 @@ def check_known_zero_keys(cfg: DsConfig, where: str) -> None:
 
 
 ZERO_STAGE_KEY = "zero_optimization.stage"
-ZERO_SETTINGS = (ZERO_STAGE_KEY, "zero_optimization.overlap_comm", "zero_optimization.contiguous_gradients")
+ZERO_SIZES = {"zero_optimization.allgather_bucket_size": 500_000_000,
+              "zero_optimization.stage3_prefetch_bucket_size": 50_000_000,
+              "zero_optimization.stage3_param_persistence_threshold": 100_000,
+              "zero_optimization.stage3_max_live_parameters": 1_000_000_000}
+"""The size settings a plain engine's sweep tries, with DeepSpeed 0.19.8's defaults (zero/config.py)."""
+ZERO_SETTINGS = (ZERO_STAGE_KEY, "zero_optimization.overlap_comm", "zero_optimization.contiguous_gradients",
+                 *ZERO_SIZES)
 """The ZeRO settings a plain engine's sweep sets per trial, in the order it sweeps them."""
+ZERO_ALIASES = {"zero_optimization.stage3_prefetch_bucket_size": "prefetch_bucket_size",
+                "zero_optimization.stage3_param_persistence_threshold": "param_persistence_threshold",
+                "zero_optimization.stage3_max_live_parameters": "max_live_parameters"}
+"""DeepSpeed's field names behind the `stage3_*` spellings (both load)."""
 
 
 def mixed_precision(config: DsConfig) -> bool:
@@ -359,12 +369,17 @@ def mixed_precision(config: DsConfig) -> bool:
 def effective_zero_settings(base: DsConfig) -> dict[str, str]:
     """What DeepSpeed 0.19.8 runs for each of ZERO_SETTINGS with this config, as knob text: the
     config's value, else DeepSpeed's default (zero/config.py: overlap_comm only at stage 3,
-    contiguous_gradients on)."""
+    contiguous_gradients on, ZERO_SIZES); a size as an integer's text."""
     section = base.raw.get("zero_optimization")
     zero: dict = section if isinstance(section, dict) else {}
-    return {ZERO_STAGE_KEY: str(base.zero_stage),
-            "zero_optimization.overlap_comm": json.dumps(bool(zero.get("overlap_comm", base.zero_stage == 3))),
-            "zero_optimization.contiguous_gradients": json.dumps(bool(zero.get("contiguous_gradients", True)))}
+    out = {ZERO_STAGE_KEY: str(base.zero_stage),
+           "zero_optimization.overlap_comm": json.dumps(bool(zero.get("overlap_comm", base.zero_stage == 3))),
+           "zero_optimization.contiguous_gradients": json.dumps(bool(zero.get("contiguous_gradients", True)))}
+    for dotted, default in ZERO_SIZES.items():
+        key = dotted.removeprefix("zero_optimization.")
+        value = zero.get(key, zero.get(ZERO_ALIASES.get(dotted, key), default))
+        out[dotted] = str(int(value)) if isinstance(value, (int, float)) and not isinstance(value, bool) else str(value)
+    return out
 
 
 def with_swept(raw: dict, values: dict[str, str]) -> dict:

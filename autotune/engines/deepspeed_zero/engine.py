@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 from autotune.core.dsconfig import (
     ZERO_SETTINGS,
+    ZERO_SIZES,
     ZERO_STAGE_KEY,
     effective_zero_settings,
     mixed_precision,
@@ -48,6 +49,15 @@ STAGES = 1
 
 
 STAGE_KNOB, ZERO_KNOBS = ZERO_STAGE_KEY, ZERO_SETTINGS
+SWITCHES = ("zero_optimization.overlap_comm", "zero_optimization.contiguous_gradients")
+SIZE_VALUES = {"zero_optimization.allgather_bucket_size": ("50000000", "200000000", "500000000"),
+               "zero_optimization.stage3_prefetch_bucket_size": ("50000000", "200000000"),
+               "zero_optimization.stage3_param_persistence_threshold": ("100000", "1000000"),
+               "zero_optimization.stage3_max_live_parameters": ("300000000", "1000000000")}
+"""The sizes the sweep tries, DeepSpeed's default among them: the gather of the updated partitions
+(ZeRO-1/2), and at ZeRO-3 the prefetch, the parameters kept whole, the parameters live at once."""
+assert set(SIZE_VALUES) == set(ZERO_SIZES)
+STAGE3_ONLY = tuple(k for k in SIZE_VALUES if ".stage3_" in k)
 
 
 class DeepSpeedZero:
@@ -113,8 +123,10 @@ def zero_stages(text: str) -> tuple[str, ...]:
 def zero_sweep(base: DsConfig, root: Path, note: Callable[[str], None], *, then: Sequence[Knob] = (),
                then_own: Mapping[str, str | None] | None = None,
                stages: Sequence[str] = ("0", "1", "2", "3"), parameters: int | None = None) -> KnobSweep:
-    """The ZeRO step: the stage (0-3), then `overlap_comm` and `contiguous_gradients` at the stage
-    kept, one trial per value at the baseline's micro-batch and GAS; a value is kept when it beats
+    """The ZeRO step: the stage (0-3), then `overlap_comm`, `contiguous_gradients` and the sizes
+    (`allgather_bucket_size` at ZeRO-1/2; the prefetch bucket, persistence threshold and live
+    parameters at ZeRO-3; each dropped where the stage kept or the model's size makes it inert)
+    at the stage kept, one trial per value at the baseline's micro-batch and GAS; a value is kept when it beats
     the one in force by more than the noise between launches (autotune/tuning/knob_sweep.py). A
     value that runs out of memory is a failed trial of its own, and the sweep goes on. `then`: the
     user's own knobs (`--knob`, with their `then_own` values), swept after these in the same
@@ -125,9 +137,11 @@ def zero_sweep(base: DsConfig, root: Path, note: Callable[[str], None], *, then:
 
     own = effective_zero_settings(base)  # what the baseline runs: the config's, else DeepSpeed's defaults
     knobs = [Knob(name=STAGE_KNOB, flag=STAGE_KNOB, joined=True, values=tuple(stages)),
-             *(Knob(name=k, flag=k, joined=True, values=("false", "true")) for k in ZERO_KNOBS[1:]), *then]
+             *(Knob(name=k, flag=k, joined=True, values=("false", "true")) for k in SWITCHES),
+             *(Knob(name=k, flag=k, joined=True, values=v) for k, v in SIZE_VALUES.items()), *then]
     refuse = partial(stage_too_big, parameters=parameters, mixed=mixed_precision(base)) if parameters else None
-    return KnobSweep(knobs, {**own, **(then_own or {})}, root, note, inert=_inert, again=STAGE_KNOB, refuse=refuse)
+    return KnobSweep(knobs, {**own, **(then_own or {})}, root, note, inert=partial(_inert, parameters=parameters),
+                     again=STAGE_KNOB, refuse=refuse)
 
 
 def stage_too_big(name: str, value: str, baseline: TrialSummary | None, *, parameters: int, mixed: bool) -> str | None:
@@ -146,9 +160,20 @@ def stage_too_big(name: str, value: str, baseline: TrialSummary | None, *, param
     return None if fit.fits else fit.why_not()
 
 
-def _inert(name: str, kept: Mapping[str, str | None]) -> str | None:
-    """ZeRO-0 has no ZeRO reducer: `overlap_comm` and `contiguous_gradients` do nothing there."""
-    if name in ZERO_KNOBS[1:] and kept.get(STAGE_KNOB) == "0":
+def _inert(name: str, kept: Mapping[str, str | None], *, parameters: int | None = None) -> str | None:
+    """Why a ZeRO setting cannot change the run the stage kept makes: ZeRO-0 has no ZeRO
+    reducer or gatherer; `allgather_bucket_size` buckets the gather of ZeRO-1/2 only and the
+    stage-3 settings act at ZeRO-3 only; a size at or above the whole model's parameters at every
+    value tried makes the same single call (or keeps everything) at each."""
+    stage = kept.get(STAGE_KNOB)
+    if name in ZERO_KNOBS[1:] and stage == "0":
         return "ZeRO-0 kept, which has no ZeRO gradient reducer for it to change"
+    if name in STAGE3_ONLY and stage != "3":
+        return f"ZeRO-{stage} kept: the stage-3 settings act at ZeRO-3 only"
+    if name == "zero_optimization.allgather_bucket_size" and stage == "3":
+        return "ZeRO-3 kept: its gathers go by stage3_prefetch_bucket_size, not allgather_bucket_size"
+    if name in SIZE_VALUES and parameters and parameters <= min(int(v) for v in SIZE_VALUES[name]):
+        return (f"the model's {parameters:,} parameters are within every value tried, so each makes the same "
+                "single call (or keeps every parameter)")
     return None
 
