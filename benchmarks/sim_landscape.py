@@ -83,6 +83,8 @@ class Scenario:
     noise: float = 0.02
     straggler_rate: float = 0.05
     seq_length: int = 512
+    zero_stage: int = 1
+    """`zero_optimization.stage` the space was built with (the model's bucket rule reads it)."""
 
     # ---- physics -------------------------------------------------------
     def efficiency(self, mb: int) -> float:
@@ -258,7 +260,7 @@ def _imbalanced() -> Scenario:
     space = SearchSpace.build(pipeline_stages=4, data_parallel_size=1, zero_stage=0,
                               micro_max=64, gas_max=32, min_global_batch=16, max_global_batch=512)
     return Scenario(
-        name="gpt-4x1-imbalanced", space=space,
+        name="gpt-4x1-imbalanced", space=space, zero_stage=0,
         baseline=TrialConfig(micro_batch_size=2, gradient_accumulation_steps=8),
         stage_sample_seconds=(0.010, 0.010, 0.010, 0.013), micro_overhead_seconds=0.004,
         eff_floor=0.3, eff_half=8.0, params_per_stage=3e8,

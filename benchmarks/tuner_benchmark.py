@@ -1,5 +1,9 @@
 """Tuner benchmark: every proposer on simulated pipeline-training landscapes.
 
+`model` (`--tuner model`) calibrates the performance model on the run's simulated study
+(benchmarks/sim_study.py: each trial's observation, the baseline's layer costs), as
+`autotune run --tuner model` does on a real one.
+
     .venv/bin/python -m benchmarks.tuner_benchmark            # the reported table
     .venv/bin/python -m benchmarks.tuner_benchmark --quick    # a smoke run
     .venv/bin/python -m benchmarks.tuner_benchmark --seed-offset 1000   # development seeds
@@ -38,8 +42,9 @@ from multiprocessing import Pool  # noqa: E402
 from autotune.tuning.proposers.history import History  # noqa: E402
 from autotune.tuning.proposers.registry import default_moves, make_proposer, names  # noqa: E402
 from benchmarks.sim_landscape import SimRun, calibration, scenarios  # noqa: E402
+from benchmarks.sim_study import SimStudy  # noqa: E402
 
-TUNERS = ["hybrid", "bayes", "optuna-gp", "optuna-tpe", "ds-autotuner", "random", "grid"]
+TUNERS = ["hybrid", "model", "bayes", "optuna-gp", "optuna-tpe", "ds-autotuner", "random", "grid"]
 
 
 def moves_fn():
@@ -78,7 +83,13 @@ def run_one(job: tuple) -> RunResult:
     opt = _OPTIMA[sc.name]
     sim = SimRun(sc, seed * 7919 + sc_idx)
     moves = moves_fn()[0] if tuner == "hybrid" else None
-    prop = make_proposer(tuner, sc.space, seed=seed, moves=moves, budget=budget)
+    study = SimStudy(sc) if tuner == "model" else None
+    if study is not None:  # the performance model calibrates on the simulated study's observations
+        from autotune.tuning.proposers.model_guided import ModelGuidedProposer
+
+        prop = ModelGuidedProposer(sc.space, seed=seed, models=study.model)
+    else:
+        prop = make_proposer(tuner, sc.space, seed=seed, moves=moves, budget=budget)
     hist = History(sc.space)
     out = RunResult(tuner=tuner, scenario=sc.name, seed=seed, cap=cap, capacity=capacity)
     t0 = time.perf_counter()
@@ -92,6 +103,8 @@ def run_one(job: tuple) -> RunResult:
             p = prop.ask()
             cfg, source = p.config, p.source
         result = sim(cfg, t)
+        if study is not None:
+            study.record(t, cfg, result)
         prop.tell(cfg, result)
         hist.record(cfg, result)
         out.sources[source] += 1
@@ -184,7 +197,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed-offset", type=int, default=0,
                     help="first seed; the reported table uses 0, development used 1000")
     ap.add_argument("--budget", type=int, default=20, help="trials per run, baseline included (default 20)")
-    ap.add_argument("--tuners", default=",".join(TUNERS), help="comma-separated proposer names")
+    ap.add_argument("--tuners", default=None,
+                    help="comma-separated proposer names [default: all; --quick: all but model, whose "
+                         "calibration after every trial takes seconds]")
     ap.add_argument("--workers", type=int, default=2, help="processes (default 2)")
     ap.add_argument("--quick", action="store_true", help="3 seeds, budget 12: a smoke run")
     ap.add_argument("--calibration", action="store_true", help="print the calibration check and exit")
@@ -200,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.quick:
         args.seeds, args.budget = 3, 12
+    if args.tuners is None:
+        args.tuners = ",".join(t for t in TUNERS if not (args.quick and t == "model"))
     available = set(names())
     tuners = [t for t in args.tuners.split(",") if t in available]
     skipped = [t for t in args.tuners.split(",") if t not in available]

@@ -250,11 +250,10 @@ def _fit_engine(cal: Calibration, obs: Sequence[Observation], tail: float) -> tu
     through the replay; the per-step work is then the mean of what is left, non-negative)."""
     def residuals(per_micro: float) -> tuple[float, float]:
         c = _replace(cal, overhead_per_micro=per_micro, overhead_per_step=0.0)
-        left = [(o.step_seconds - _step(c, layout_of(o)).step_seconds) / o.step_seconds for o in obs]
-        per_step = max(0.0, statistics.fmean(
-            [r * o.step_seconds for r, o in zip(left, obs, strict=True)])) * tail
-        c = _replace(c, overhead_per_step=per_step)
-        err = sum(((o.step_seconds - _step(c, layout_of(o)).step_seconds) / o.step_seconds) ** 2 for o in obs)
+        steps = [_step(c, layout_of(o)).step_seconds for o in obs]
+        per_step = max(0.0, statistics.fmean([o.step_seconds - t for o, t in zip(obs, steps, strict=True)])) * tail
+        # the per-step work only adds to the step (`_step`: per_step / tail after the replay)
+        err = sum(((o.step_seconds - (t + per_step / tail)) / o.step_seconds) ** 2 for o, t in zip(obs, steps, strict=True))
         return err, per_step
 
     scale = statistics.median([o.step_seconds / o.gradient_accumulation_steps for o in obs])

@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from autotune.core.dsconfig import reduce_bucket_acts
 from autotune.core.noise import NOISE_MARGIN
@@ -35,15 +37,22 @@ from autotune.model.interval import LEVEL
 from autotune.tuning.proposers.base import Proposal
 from autotune.tuning.proposers.feasibility import FeasibilityModel
 
+if TYPE_CHECKING:
+    from autotune.model.study_model import StudyModel
+
 SOURCE = MODEL
 BUCKET_POINTS = 4
 
 
 class ModelGuidedProposer:
-    def __init__(self, space: SearchSpace, *, seed: int = 0, study_root: str | Path | None = None) -> None:
+    def __init__(self, space: SearchSpace, *, seed: int = 0, study_root: str | Path | None = None,
+                 models: Callable[[], StudyModel] | None = None) -> None:
+        """`study_root`: the study the model calibrates on after each trial; `models`: where the
+        study's model comes from instead (benchmarks/tuner_benchmark.py's simulated studies)."""
         self.space = space
         self.seed = seed
         self.root = Path(study_root) if study_root is not None else None
+        self.models = models
         self.feasibility = FeasibilityModel(space)
         self.seen: set[tuple] = set()
         self.micro_seen: set[int] = set()
@@ -164,7 +173,7 @@ class ModelGuidedProposer:
         """Untried points by predicted samples/s (weighed by the chance they fit), or None
         while the model cannot rank them (no study, one micro-batch size measured). Calibrated
         once per trial told: `converged()` and `ask()` share it."""
-        if self.root is None or len(self.micro_seen) < 2:
+        if (self.root is None and self.models is None) or len(self.micro_seen) < 2:
             return None
         if self._cache is not None and self._cache[0] == len(self.seen):
             return self._cache[1]
@@ -177,10 +186,13 @@ class ModelGuidedProposer:
         from autotune.model.step_model import Layout, predict
         from autotune.model.study_model import model_of_study
 
-        if self.root is None:
-            return None
         try:
-            model = model_of_study(self.root)
+            if self.models is not None:
+                model = self.models()
+            elif self.root is not None:
+                model = model_of_study(self.root)
+            else:
+                return None
         except AutotuneError:
             return None
         from autotune.model.interval import interval
