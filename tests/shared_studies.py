@@ -12,7 +12,8 @@ value (folders, exit code, output); a test that changes a study works on `copy_s
 - `usercmd_study`: `autotune run -- deepspeed examples/pipeline_train.py ...`, the user's
   script unchanged, budget 3, with the layer-cost hooks, given parts and a 2-step trace.
 - `zero_study`: `autotune run --engine zero`, the built-in decoder as a plain DeepSpeedEngine
-  (ZeRO-2, 2 data-parallel ranks, warm workers), budget 6: the ZeRO sweep, then the search.
+  (ZeRO-2, 2 data-parallel ranks, warm workers), budget 6: the ZeRO sweep, then the search; a
+  2-step profiler trace of the baseline (`--trace-steps 2`: tests/test_traces.py).
 - `usercmd_zero_study`: `autotune run -- deepspeed examples/zero_train_dict.py ...`, the user's own
   plain-engine ZeRO-2 script with its config built in code, unchanged, budget 2.
 - `torch_script_study`: `autotune run -- torchrun examples/torch_pipeline_train.py --schedule GPipe ...`,
@@ -138,10 +139,10 @@ ZERO_BUDGET = 6
 def run_zero_study(root: Path) -> SharedStudy:
     """`autotune run --engine zero`: the built-in decoder as a plain DeepSpeedEngine with ZeRO-2 on
     2 data-parallel ranks, warm workers, budget ZERO_BUDGET (the stage sweep's three trials among
-    them), 2 measured steps each."""
+    them), 2 measured steps each, with a TRACE_STEPS-step profiler trace of the baseline."""
     cfg = write_config(root, train_batch_size=16, zero_optimization={"stage": ZERO_STAGE})
     return _run(root, "--engine", "zero", "--config", str(cfg), "--budget", str(ZERO_BUDGET), "--steps", "2",
-                "--warmup-steps", "1", "--fixed-steps", "--no-metrics")
+                "--warmup-steps", "1", "--fixed-steps", "--no-metrics", "--trace-steps", str(TRACE_STEPS))
 
 
 ZERO_SCRIPT_CONFIG = EXAMPLES / "ds_zero2.json"

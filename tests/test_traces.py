@@ -201,6 +201,38 @@ def test_a_trials_trace_agrees_with_its_probe_on_the_same_steps(builtin_study):
     assert s.get("stage_compute_imbalance") == pytest.approx(imbalance(trace_comp))
 
 
+def test_a_zero_trials_trace_agrees_with_its_probe_and_has_no_bubble(zero_study, tmp_path):
+    """A plain engine traced (issue 42): its phases and ZeRO collectives are labelled, so the
+    trace's compute (the phases less the collectives inside them) and communication (the
+    collectives, their waits included) are the probe's on the same steps; the forwards of a step
+    are its GAS; no bubble and no stages are read: not a pipeline job."""
+    trial = zero_study.study / "trial-000"
+    files = _trace_files(trial)
+    assert [f.name.split(".")[0] for f in files] == ["rank0", "rank1"]
+    gas = json.loads((trial / "ds_config.json").read_text())["gradient_accumulation_steps"]
+    for f in files:
+        t = read_rank_trace(f)
+        names = {i.name for i in t.instructions}
+        assert {"forward", "backward", "step"} <= names and names - {"forward", "backward", "step"}, names
+        b = breakdown(t)
+        assert b.micro_batches == gas and b.bubble is None
+        rows = _csv_rows_of_traced_steps(trial, t.rank)
+
+        def per_step(column: str) -> float:
+            return sum(float(r[column]) for r in rows) / len(rows)  # noqa: B023 - used at once
+
+        assert b.compute_seconds == pytest.approx(per_step("compute_seconds"), rel=0.05)
+        assert b.communication_seconds == pytest.approx(per_step("comm_seconds") + per_step("wait_seconds"), rel=0.05)
+    assert pipeline_layout([read_rank_trace(f) for f in files]) is None
+    result = CliRunner().invoke(cli, ["advise", str(trial / "traces"), "--format", "json"])
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.stdout)
+    assert any("not read as a pipeline job" in n for n in out["notes"])
+    s = load_inputs([str(trial / "traces")]).subjects[0]
+    assert s.get("gradient_accumulation_steps") == gas and s.get("bubble_fraction_measured") is None
+    assert "stage_compute_imbalance" in s.unavailable
+
+
 def test_a_user_commands_trial_is_traced_through_the_bootstrap(usercmd_study):
     files = _trace_files(usercmd_study.study / "trial-000")
     assert [f.name.split(".")[0] for f in files] == ["rank0", "rank1"]

@@ -168,3 +168,17 @@ def test_predict_and_plan_on_the_shared_zero_study(zero_study, tmp_path):
         proc = _cli(args[0], str(study), *args[1:], cwd=tmp_path)
         assert proc.returncode == 2 and words in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
         assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_a_knob_trial_of_other_zero_settings_is_not_calibrated_on_and_said(tmp_path):
+    """The sweep's overlap_comm trial ran another step than the rest, which the terms do not
+    model: the study's model leaves it out, and says which trial and which setting."""
+    from autotune.model.zero_step import same_settings
+
+    usual = (("zero_optimization.overlap_comm", "false"),)
+    obs = [dataclasses.replace(o, zero_settings=usual) for o in _study()]
+    knob = dataclasses.replace(_obs(9, 1, 2, 8), zero_settings=(("zero_optimization.overlap_comm", "true"),),
+                               step_seconds=1.0)
+    kept, note = same_settings([*obs, knob])
+    assert kept == obs and note is not None and "trial(s) 9" in note and "overlap_comm" in note
+    assert same_settings(obs) == (obs, None)

@@ -6,6 +6,9 @@ Inside a traced step every DeepSpeed pipeline instruction runs under a profiler 
 then shows the schedule the probe times, and the reader measures it with the probe's own
 definitions (compute, transfer against the wait for a peer, micro-batches per step).
 
+A plain DeepSpeedEngine (ZeRO, no pipeline) is traced the same way: its phases and its ZeRO
+collectives each under a `deepspeed:` range (`PLAIN_PHASES`, `is_plain_collective`).
+
 A torch.distributed.pipelining job's own trace (a user's script under torch.profiler) carries
 torch's labels instead, read as the same instructions (`pipeline_instruction`): the actions of
 `_PipelineScheduleRuntime` (the interleaved, V and zero-bubble schedules) as
@@ -21,6 +24,20 @@ FORWARD, BACKWARD, OPTIMIZER = "ForwardPass", "BackwardPass", "OptimizerStep"
 COMPUTE_INSTRUCTIONS = (FORWARD, BACKWARD, OPTIMIZER)
 P2P_INSTRUCTIONS = ("SendActivation", "SendGrad", "RecvActivation", "RecvGrad")
 REDUCE_INSTRUCTIONS = ("ReduceGrads", "ReduceTiedGrads")
+
+PLAIN_FORWARD, PLAIN_BACKWARD, PLAIN_STEP = "forward", "backward", "step"
+PLAIN_PHASES = (PLAIN_FORWARD, PLAIN_BACKWARD, PLAIN_STEP)
+"""A plain DeepSpeedEngine's phases as its ranges name them (`deepspeed:forward`, ...: the engine
+face's names, autotune/rank/engine_face.py); its collectives run inside them, each under its own
+`deepspeed:<op>` range (`deepspeed:reduce_scatter_fn`, `deepspeed:all_gather_into_tensor`, ...)."""
+PIPELINE_NAMES = frozenset((*COMPUTE_INSTRUCTIONS, *P2P_INSTRUCTIONS, *REDUCE_INSTRUCTIONS))
+
+
+def is_plain_collective(name: str) -> bool:
+    """A `deepspeed:` range that is neither a pipeline instruction nor a plain engine's phase:
+    one of the communication backend's collectives the plain engine face wraps."""
+    return name not in PIPELINE_NAMES and name not in PLAIN_PHASES
+
 
 TORCH_ACTIONS = {"F": FORWARD, "B": BACKWARD, "I": BACKWARD, "W": BACKWARD, "SEND_F": "SendActivation",
                  "SEND_B": "SendGrad", "RECV_F": "RecvActivation", "RECV_B": "RecvGrad"}

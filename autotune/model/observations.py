@@ -79,6 +79,9 @@ class Observation:
     """A plain DeepSpeedEngine (no pipeline): its CSV times each collective and has no point-to-point."""
     mixed_precision: bool | None = None
     """fp16 or bf16 enabled in the trial's ds_config.json (None: not known)."""
+    zero_settings: tuple[tuple[str, str], ...] = ()
+    """The ZeRO sweep's settings besides the stage (overlap_comm, the sizes, ...: what its knob
+    trials change) as the trial ran them, DeepSpeed's defaults filled in."""
 
     @property
     def ranks(self) -> int:
@@ -130,7 +133,8 @@ def observe_trial(trial_dir: Path, number: int, config: dict, checkpoint_interva
         device=device, stage=per_stage, layer_costs=lc,
         peak_memory_kind=lc.peak_memory_kind if lc else ("cuda_max_allocated" if device == "cuda" else "process_max_rss"),
         parts=list(lc.parts) if lc else None, seq_length=_seq(c), zero_stage=config.get("zero_stage"),
-        plain_engine=_plain(c), mixed_precision=config.get("mixed_precision"))
+        plain_engine=_plain(c), mixed_precision=config.get("mixed_precision"),
+        zero_settings=tuple(config.get("zero_settings") or ()))
 
 
 def _plain(c: Columns) -> bool:
@@ -214,13 +218,15 @@ def observe_study(root: str | Path) -> list[Observation]:
         s = row.summary
         raw = _trial_config(root / f"trial-{row.number:03d}")  # its ds_config.json, read once
         zero = _zero_section(raw)
-        config = {"micro_batch_size": row.config.micro_batch_size,
-                  "gradient_accumulation_steps": row.config.gradient_accumulation_steps,
-                  "reduce_bucket_size": _bucket(zero, row.config.reduce_bucket_size),
-                  "step_seconds": s.get("step_seconds"), "samples_per_second": row.samples_per_second,
-                  "zero_stage": _zero_stage(zero), "mixed_precision": _mixed(raw)}
-        if not config["step_seconds"] or not math.isfinite(config["step_seconds"]):
+        step = s.get("step_seconds")
+        if not step or not math.isfinite(step):
             continue
+        config: dict[str, object] = {"micro_batch_size": row.config.micro_batch_size,
+                                  "gradient_accumulation_steps": row.config.gradient_accumulation_steps,
+                                  "reduce_bucket_size": _bucket(zero, row.config.reduce_bucket_size),
+                                  "step_seconds": step, "samples_per_second": row.samples_per_second,
+                                  "zero_stage": _zero_stage(zero), "mixed_precision": _mixed(raw),
+                                  "zero_settings": _other_zero_settings(raw)}
         obs = observe_trial(root / f"trial-{row.number:03d}", row.number, config,
                             row.config.activation_checkpoint_interval)
         if obs is not None:
@@ -255,6 +261,22 @@ def _zero_section(raw: dict | None) -> dict | None:
         return None
     zero = raw.get("zero_optimization")
     return zero if isinstance(zero, dict) else ({} if isinstance(raw, dict) else None)
+
+
+def _other_zero_settings(raw: dict | None) -> tuple[tuple[str, str], ...]:
+    """The ZeRO sweep's settings besides the stage as DeepSpeed runs them (the config's value, else
+    its default: core/dsconfig.py `effective_zero_settings`), so a stage trial that wrote a value
+    only to keep it as it was reads the same as the baseline."""
+    from autotune.core.dsconfig import ZERO_STAGE_KEY, DsConfig, effective_zero_settings
+    from autotune.core.errors import AutotuneError
+
+    if raw is None:
+        return ()
+    try:
+        effective = effective_zero_settings(DsConfig.from_dict(raw, source="trial"))
+    except (AutotuneError, ValueError, TypeError):  # a config the trial ran that this reader cannot
+        return ()
+    return tuple(sorted((k, v) for k, v in effective.items() if k != ZERO_STAGE_KEY))
 
 
 def _zero_stage(zero: dict | None) -> int | None:

@@ -558,7 +558,8 @@ def _plain_step(cal: Calibration, zero: ZeroTerms, layout: Layout) -> Prediction
                       samples_per_second=layout.global_batch / z.step_seconds, terms=z.terms, bubble_fraction=None,
                       stage_compute_seconds=[z.compute_seconds],
                       stage_memory_bytes=[z.memory_bytes] if z.memory_bytes is not None else None,
-                      measured_terms=measured, extrapolated=extrapolated, notes=z.notes)
+                      measured_terms=measured, extrapolated=extrapolated,
+                      notes=list(cal.notes) + [n for n in z.notes if n not in cal.notes])
 
 
 def _reduce(cal: Calibration, parameters: float, layout: Layout) -> float:

@@ -10,6 +10,7 @@ from pathlib import Path
 from autotune.core.errors import StudyError, UserError
 from autotune.model.observations import Observation, observe_study
 from autotune.model.step_model import Calibration, Layout, calibrate
+from autotune.model.zero_step import is_plain, same_settings
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,12 +38,15 @@ def model_of_study(root: str | Path) -> StudyModel:
     finally:
         study.close()
     obs = observe_study(root)
+    notes: list[str] = []
+    if is_plain(obs):  # a plain engine's knob trials ran other ZeRO settings than the rest
+        obs, other = same_settings(obs)
+        notes += [other] if other else []
     if not obs:
         raise StudyError(f"{root}: no finished trial with metrics to calibrate the model from; a study needs at "
                          "least one successful trial (`autotune run --study ... --budget 3` gives one "
                          "with every layer measured)")
     cores = None
-    notes: list[str] = []
     if obs[0].device == "cpu":
         if isinstance(host, dict) and isinstance(host.get("cores"), int):
             cores = float(host["cores"])

@@ -113,6 +113,25 @@ def is_plain(observations: Sequence[Observation]) -> bool:
                                       for o in observations)
 
 
+def same_settings(observations: Sequence[Observation]) -> tuple[list[Observation], str | None]:
+    """The trials that ran the ZeRO settings most trials ran besides the stage and the bucket, and
+    a note naming the others: a knob trial of the sweep ran another `overlap_comm` or size, a step
+    the terms here have no term for, so it is not calibrated on (tests/test_zero_model.py)."""
+    counts: dict[tuple, int] = {}
+    for o in observations:
+        counts[o.zero_settings] = counts.get(o.zero_settings, 0) + 1
+    common = max(counts, key=lambda k: counts[k])
+    kept = [o for o in observations if o.zero_settings == common]
+    left = [o for o in observations if o.zero_settings != common]
+    if not left:
+        return kept, None
+    usual = dict(common)
+    what = sorted({k.removeprefix("zero_optimization.") for o in left for k, v in o.zero_settings
+                   if usual.get(k) != v})
+    return kept, (f"trial(s) {', '.join(str(o.trial) for o in left)} ran other ZeRO settings "
+                  f"({', '.join(what)}): not calibrated on (the model has no term for them)")
+
+
 def ring(dp: int) -> float:
     return (dp - 1) / dp if dp > 1 else 0.0
 

@@ -42,7 +42,8 @@ def label_instructions(engine: Any) -> InstructionLabels:
 
 class InstructionLabels:
     """The engine's instruction map, each instruction under a `deepspeed:<Instruction>` range
-    while `on`; off, an instruction costs one call more (the traced steps are over by then)."""
+    while `on` (a plain engine's: `deepspeed:forward`, `backward`, `step` and each collective);
+    off, an instruction costs one call more (the traced steps are over by then)."""
 
     def __init__(self, engine: Any) -> None:
         from torch.profiler import record_function
@@ -51,11 +52,13 @@ class InstructionLabels:
         def labelled(instruction: Instruction, fn: Any) -> Any:
             name = INSTRUCTION_PREFIX + instruction.name
 
-            def run(engine_self: Any, **kwargs: Any) -> Any:
+            # a pipeline's instruction is called (engine, **kwargs); a plain engine's phase or
+            # collective is a bound method called with its own arguments
+            def run(*args: Any, **kwargs: Any) -> Any:
                 if not self.on:
-                    return fn(engine_self, **kwargs)
+                    return fn(*args, **kwargs)
                 with record_function(name):
-                    return fn(engine_self, **kwargs)
+                    return fn(*args, **kwargs)
             return run
 
         instructions_of(engine).wrap(labelled)

@@ -42,7 +42,10 @@ from autotune.core.trace_labels import (
     COMPUTE_INSTRUCTIONS,
     FORWARD,
     P2P_INSTRUCTIONS,
+    PLAIN_FORWARD,
+    PLAIN_PHASES,
     REDUCE_INSTRUCTIONS,
+    is_plain_collective,
 )
 from autotune.traces.intervals import clip, merge, overlap_length, union_length
 from autotune.traces.rank_trace import (
@@ -209,6 +212,8 @@ def _with_instructions(b: RankBreakdown, t: RankTrace) -> RankBreakdown:
     steps = b.steps
     ins = [i for i in t.instructions if steps[0].ts <= i.ts < steps[-1].end]
     n = len(steps)
+    if any(i.name in PLAIN_PHASES for i in ins):
+        return _plain_engine(b, ins)
     compute = sum(i.dur for i in ins if i.name in COMPUTE_INSTRUCTIONS)
     comm = sum(i.dur for i in ins if i.name in P2P_INSTRUCTIONS or i.name in REDUCE_INSTRUCTIONS)
     wait = _beyond_fastest([(i.name, i.dur) for i in ins if i.name in P2P_INSTRUCTIONS])
@@ -225,6 +230,24 @@ def _with_instructions(b: RankBreakdown, t: RankTrace) -> RankBreakdown:
             bubbles.append(max(0.0, 1.0 - busy / span) if span > 0 else 0.0)
     return replace(b, compute_seconds=compute * US / n, communication_seconds=comm * US / n,
                    peer_wait_seconds=wait * US / n, bubbles=bubbles or b.bubbles,
+                   micro_batches=int(statistics.median(forwards)) if any(forwards) else None)
+
+
+def _plain_engine(b: RankBreakdown, ins: list) -> RankBreakdown:
+    """A plain engine's step as its probe times it: compute is the forward, backward and step
+    less the collectives inside them (ZeRO reduces in the backward's hooks and gathers in the
+    step), communication those collectives, the wait each one's time beyond the fastest of its
+    kind; micro-batches are the forwards of a step. No bubble: not a pipeline job."""
+    from dataclasses import replace
+
+    phases = [i for i in ins if i.name in PLAIN_PHASES]
+    calls = [i for i in ins if is_plain_collective(i.name)]
+    inside = sum(c.dur for c in calls if any(p.ts <= c.ts and c.ts + c.dur <= p.ts + p.dur for p in phases))
+    n = len(b.steps)
+    forwards = [sum(1 for i in phases if i.name == PLAIN_FORWARD and s.ts <= i.ts < s.end) for s in b.steps]
+    return replace(b, compute_seconds=(sum(p.dur for p in phases) - inside) * US / n,
+                   communication_seconds=sum(c.dur for c in calls) * US / n,
+                   peer_wait_seconds=_beyond_fastest([(c.name, c.dur) for c in calls]) * US / n, bubbles=[],
                    micro_batches=int(statistics.median(forwards)) if any(forwards) else None)
 
 

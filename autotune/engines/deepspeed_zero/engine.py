@@ -9,7 +9,8 @@ bucket it searches is `reduce_bucket_size`, which buckets the reduction at ZeRO 
 
 What it does not do yet, refused in one line rather than ignored: the pipeline-only options
 (`--stages`, partitions, layer costs, activation checkpointing of a PipelineModule, the
-slowdown hooks), profiler traces and several nodes. The performance model's tuner (`--tuner
+slowdown hooks) and several nodes. Profiler traces (`--trace-steps`) label its phases and
+collectives (autotune/core/trace_labels.py). The performance model's tuner (`--tuner
 model`) runs on autotune/model/zero_step.py, the model of a plain engine's step by ZeRO stage.
 """
 
@@ -79,7 +80,6 @@ class DeepSpeedZero:
             "--partition-method": wl.partition_method != defaults.partition_method,
             "--layer-costs": wl.layer_costs, "--balance-stages": wl.balance_stages,
             "--activation-checkpoint-interval": wl.activation_checkpoint_interval > 0,
-            "--trace-steps": opts.trace_steps > 0,
             "--slow-stage/--slow-layer": wl.slow_stage is not None or wl.slow_layer is not None,
             "--hostfile/--include/--exclude/--num_nodes/--num_gpus/--master_addr (several nodes)":
                 any((wl.hostfile, wl.include, wl.exclude, wl.num_nodes, wl.num_gpus, wl.master_addr)),
