@@ -15,7 +15,8 @@ value (folders, exit code, output); a test that changes a study works on `copy_s
   (ZeRO-2, 2 data-parallel ranks, warm workers), budget 6: the ZeRO sweep, then the search; a
   2-step profiler trace of the baseline (`--trace-steps 2`: tests/test_traces.py).
 - `usercmd_zero_study`: `autotune run -- deepspeed examples/zero_train_dict.py ...`, the user's own
-  plain-engine ZeRO-2 script with its config built in code, unchanged, budget 2.
+  plain-engine ZeRO-2 script with its config built in code, unchanged, budget 2, its baseline
+  traced in its own loop's optimizer steps.
 - `torch_script_study`: `autotune run -- torchrun examples/torch_pipeline_train.py --schedule GPipe ...`,
   the user's own torch.distributed.pipelining script unchanged (no DeepSpeed), budget 6: the
   schedule sweep, then the search over n_microbatches.
@@ -152,10 +153,11 @@ ZERO_DICT_SCRIPT = EXAMPLES / "zero_train_dict.py"
 def run_usercmd_zero_study(root: Path) -> SharedStudy:
     """The user's own plain-engine script with its config built in code (examples/zero_train_dict.py:
     a ZeRO-2 dict passed as `config=`, its own loop of forward, backward and step) through
-    `deepspeed`, unchanged, budget 2, 2 measured steps each."""
+    `deepspeed`, unchanged, budget 2, 2 measured steps each, its baseline traced (TRACE_STEPS)."""
     command = ("deepspeed", "--num_gpus", "2", str(ZERO_DICT_SCRIPT), "--steps", "100000", "--save-dir", "ckpt")
     return _run(root, "--budget", "2", "--steps", "2", "--warmup-steps", "1", "--fixed-steps",
-                "--trial-timeout", "600", "--no-metrics", command=command, env=user_env())
+                "--trial-timeout", "600", "--no-metrics", "--trace-steps", str(TRACE_STEPS), command=command,
+                env=user_env())
 
 
 HF_SCRIPT = EXAMPLES / "hf_trainer_train.py"

@@ -233,6 +233,20 @@ def test_a_zero_trials_trace_agrees_with_its_probe_and_has_no_bubble(zero_study,
     assert "stage_compute_imbalance" in s.unavailable
 
 
+def test_a_users_plain_engine_script_is_traced_in_its_own_loop(usercmd_zero_study):
+    """The user's own ZeRO script (no train_batch): the profiler steps at its optimizer steps, and
+    the trace's compute is the probe's on the same steps."""
+    trial = usercmd_zero_study.study / "trial-000"
+    files = _trace_files(trial)
+    assert [f.name.split(".")[0] for f in files] == ["rank0", "rank1"]
+    for f in files:
+        t = read_rank_trace(f)
+        assert len(t.steps) == TRACE_STEPS and {"forward", "backward", "step"} <= {i.name for i in t.instructions}
+        rows = _csv_rows_of_traced_steps(trial, t.rank)
+        compute = sum(float(r["compute_seconds"]) for r in rows) / len(rows)
+        assert breakdown(t).compute_seconds == pytest.approx(compute, rel=0.05)
+
+
 def test_a_user_commands_trial_is_traced_through_the_bootstrap(usercmd_study):
     files = _trace_files(usercmd_study.study / "trial-000")
     assert [f.name.split(".")[0] for f in files] == ["rank0", "rank1"]

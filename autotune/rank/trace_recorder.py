@@ -65,7 +65,8 @@ class InstructionLabels:
 
 
 def record_trace(engine: Any, plan: RankPlan, rank: int, labels: InstructionLabels | None = None) -> None:
-    """Wrap `engine.train_batch` to record the plan's traced steps (nothing when there are none);
+    """Record the plan's traced steps (nothing when there are none) around `engine.train_batch`,
+    or a plain engine's optimizer steps in the user's own loop (autotune/rank/step_boundary.py);
     `labels` are turned off once they are recorded."""
     if plan.trace_steps <= 0:
         return
@@ -81,14 +82,14 @@ def record_trace(engine: Any, plan: RankPlan, rank: int, labels: InstructionLabe
     prof = profile(activities=activities, record_shapes=True,
                    schedule=schedule(wait=plan.warmup_steps, warmup=1, active=plan.trace_steps, repeat=1),
                    on_trace_ready=tensorboard_trace_handler(str(out), worker_name=f"rank{rank}", use_gzip=True))
-    inner = engine.train_batch
     calls = 0
 
-    def train_batch(*args: Any, **kwargs: Any) -> Any:
-        nonlocal calls
+    def begun() -> None:
         if calls == 0:
             prof.start()
-        result = inner(*args, **kwargs)
+
+    def ended(*_: Any) -> None:
+        nonlocal calls
         calls += 1
         if calls <= steps:
             prof.step()  # after the last active step: the trace is written here
@@ -96,6 +97,20 @@ def record_trace(engine: Any, plan: RankPlan, rank: int, labels: InstructionLabe
             prof.stop()
             if labels is not None:
                 labels.on = False  # the measured steps run without the ranges
+
+    from autotune.rank.step_boundary import has_train_batch, plain_steps
+
+    if not has_train_batch(engine):  # a plain engine in the user's own loop: its optimizer steps
+        events = plain_steps(engine)
+        events.begun.append(begun)
+        events.ended.append(ended)
+        return
+    inner = engine.train_batch
+
+    def train_batch(*args: Any, **kwargs: Any) -> Any:
+        begun()
+        result = inner(*args, **kwargs)
+        ended()
         return result
 
     engine.train_batch = train_batch

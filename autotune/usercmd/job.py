@@ -301,13 +301,11 @@ def refuse_pipeline_only(opts: RunOptions) -> None:
 
     wl = opts.workload
     asked = {"--layer-costs": wl.layer_costs, "--balance-stages": wl.balance_stages,
-             "--partition-method": wl.partition_method != WorkloadOptions().partition_method,
-             "--trace-steps": opts.trace_steps > 0}
+             "--partition-method": wl.partition_method != WorkloadOptions().partition_method}
     for flag, given in asked.items():
         if given:
             raise UserError(f"{flag}: the script builds a plain DeepSpeedEngine (not a pipeline job); "
-                            f"{flag} is for pipeline jobs" + (" (not available for a plain engine yet)"
-                                                               if flag == "--trace-steps" else ""))
+                            f"{flag} is for pipeline jobs")
 
 
 def with_autotune_launcher_options(cmd: UserCommand, opts: RunOptions) -> UserCommand:
