@@ -201,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="comma-separated proposer names [default: all; --quick: all but model, whose "
                          "calibration after every trial takes seconds]")
     ap.add_argument("--workers", type=int, default=2, help="processes (default 2)")
+    ap.add_argument("--scenarios", default=None, help="comma-separated scenario names [default: all]")
     ap.add_argument("--quick", action="store_true", help="3 seeds, budget 12: a smoke run")
     ap.add_argument("--calibration", action="store_true", help="print the calibration check and exit")
     ap.add_argument("--cap", action="store_true",
@@ -222,10 +223,17 @@ def main(argv: list[str] | None = None) -> int:
     skipped = [t for t in args.tuners.split(",") if t not in available]
     if skipped:
         print(f"skipped (not installed): {', '.join(skipped)}", file=sys.stderr)
-    n_sc = len(scenarios())
+    names_all = [sc.name for sc in scenarios()]
+    wanted = args.scenarios.split(",") if args.scenarios else names_all
+    unknown = [n for n in wanted if n not in names_all]
+    if unknown:
+        print(f"--scenarios: unknown {', '.join(unknown)} (known: {', '.join(names_all)})", file=sys.stderr)
+        return 2
+    picked = [i for i, n in enumerate(names_all) if n in wanted]
+    n_sc = len(picked)
     caps = (False, True) if args.cap else (False,)
     capacities = (False, True) if args.capacity else (True,)
-    jobs = [(t, i, args.seed_offset + s, args.budget, c, m) for t in tuners for i in range(n_sc)
+    jobs = [(t, i, args.seed_offset + s, args.budget, c, m) for t in tuners for i in picked
             for s in range(args.seeds) for c in caps for m in capacities]
     t0 = time.perf_counter()
     if args.workers > 1:
@@ -249,6 +257,9 @@ def main(argv: list[str] | None = None) -> int:
         if reasons:
             print("\ncapped runs stopped because: " + "; ".join(f"{k} ({v})" for k, v in reasons.most_common()))
     results = full
+    if "model" in tuners:
+        print()
+        print(per_scenario(results, "model"))
     if "hybrid" in tuners:
         print()
         print(per_scenario(results, "hybrid"))

@@ -56,3 +56,21 @@ def test_the_model_tuner_runs_on_a_simulated_study():
         sources.append(reason)
     assert "second micro-batch size" in sources[1]  # one size measured: the farthest next
     assert any("the model predicts" in r or "bucket count only" in r for r in sources[2:]), sources
+
+
+def test_the_model_tuner_explores_the_farthest_micro_batch_that_its_memory_model_says_fits():
+    """A 7B pipeline on 80 GB GPUs, baseline micro 1: the largest micro-batch does not fit. From the
+    baseline's layer costs (each layer's activations per sample) and the device's capacity, the
+    second trial is the largest micro-batch predicted to fit, not the first out-of-memory trial."""
+    sc = _noise_free("llama7b-8x4-gb1024")
+    sim, study = SimRun(sc, 2), SimStudy(sc)
+    prop = ModelGuidedProposer(sc.space, models=study.model)
+    first = sim(sc.baseline, 0)
+    study.record(0, sc.baseline, first)
+    prop.tell(sc.baseline, first)
+    second = prop.ask().config
+    fits = [m for m in sc.space.micro_batch_sizes if sc.p_ok(TrialConfig(
+        micro_batch_size=m, gradient_accumulation_steps=max(1, 1024 // (m * sc.space.data_parallel_size)),
+        reduce_bucket_size=sc.baseline.reduce_bucket_size)) > 0.5]
+    assert max(sc.space.micro_batch_sizes) not in fits  # the scenario has a cliff to fall off
+    assert sc.p_ok(second) > 0.5 and second.micro_batch_size >= max(fits) // 2, second

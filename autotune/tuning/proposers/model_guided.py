@@ -3,8 +3,9 @@
 After each trial the model of the step (autotune/model/) is calibrated again on the study's
 trials so far, and every untried point of the space is predicted. The next trial is:
 - while the study has measured a single micro-batch size, the point whose micro-batch is
-  farthest from it (largest first): one size cannot tell a step's fixed cost from what grows
-  with the batch, and a wrong split sends a model the wrong way;
+  farthest from it (largest first) among those the model's memory predicts fit the device: one
+  size cannot tell a step's fixed cost from what grows with the batch, and a wrong split sends a
+  model the wrong way;
 - while the reduction has been measured at one bucket count per stage (and the bucket acts),
   the fastest predicted micro-batch at the bucket farthest from it: one count cannot tell
   the cost per bucket from the cost per step, so the model predicts every bucket alike;
@@ -135,6 +136,7 @@ class ModelGuidedProposer:
 
     def _explore(self, cands: list[TrialConfig]) -> Proposal:
         seen = self.micro_seen or {self.space.micro_batch_sizes[0]}
+        cands = self._fitting(cands)
 
         def distance(c: TrialConfig) -> tuple[float, int]:
             return (min(abs(math.log2(c.micro_batch_size) - math.log2(m)) for m in seen), c.micro_batch_size)
@@ -150,6 +152,45 @@ class ModelGuidedProposer:
         return Proposal(config=cfg, source=SOURCE,
                         reason=f"micro-batch {cfg.micro_batch_size}: the model needs a second micro-batch size to "
                                "fit how the step grows with it")
+
+    def _fitting(self, cands: list[TrialConfig]) -> list[TrialConfig]:
+        """The candidates the model's memory says fit the device (its layer costs give each layer's
+        activations per sample, so even one measured micro-batch predicts another's peak): the
+        farthest micro-batch is then the farthest that fits, not the first out-of-memory trial.
+        All of them where the model or the device's capacity cannot say."""
+        capacity = self.feasibility.capacity
+        model = self._model() if capacity else None
+        if model is None or capacity is None:
+            return cands
+        from autotune.core.errors import AutotuneError
+        from autotune.model.step_model import Layout, predict
+
+        cal, limit = model.calibration, capacity * (1 - self.feasibility.headroom)
+        fit = []
+        for c in cands:
+            try:
+                peak = predict(cal, Layout(micro_batch_size=c.micro_batch_size,
+                                           gradient_accumulation_steps=c.gradient_accumulation_steps,
+                                           stages=cal.stages, data_parallel_size=cal.data_parallel_size,
+                                           reduce_bucket_size=c.reduce_bucket_size)).stage_memory_bytes
+            except AutotuneError:
+                return cands
+            if peak is None:
+                return cands
+            if max(peak) <= limit:
+                fit.append(c)
+        return fit or cands
+
+    def _model(self) -> StudyModel | None:
+        from autotune.core.errors import AutotuneError
+        from autotune.model.study_model import model_of_study
+
+        try:
+            if self.models is not None:
+                return self.models()
+            return model_of_study(self.root) if self.root is not None else None
+        except AutotuneError:
+            return None
 
     def _bucket_to_measure(self, ranked: list[tuple[float, TrialConfig]]) -> Proposal | None:
         """The trial that measures the cost per bucket, while the study has one bucket count."""
@@ -184,16 +225,9 @@ class ModelGuidedProposer:
     def _rank(self, cands: list[TrialConfig]) -> list[tuple[float, TrialConfig]] | None:
         from autotune.core.errors import AutotuneError
         from autotune.model.step_model import Layout, predict
-        from autotune.model.study_model import model_of_study
 
-        try:
-            if self.models is not None:
-                model = self.models()
-            elif self.root is not None:
-                model = model_of_study(self.root)
-            else:
-                return None
-        except AutotuneError:
+        model = self._model()
+        if model is None:
             return None
         from autotune.model.interval import interval
         from autotune.model.validation import held_out
