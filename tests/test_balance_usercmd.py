@@ -43,7 +43,7 @@ def balanced_study(tmp_path_factory):
     (cwd / "ds.json").write_text(json.dumps({
         "train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4,
         "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}, "steps_per_print": 1000000}))
-    proc = autotune_cli("run", "--budget", "2", "--study", "st", "--steps", "3", "--warmup-steps", "1",
+    proc = autotune_cli("run", "--budget", "2", "--study", "st", "--steps", "6", "--warmup-steps", "1",
                         "--fixed-steps", "--trial-timeout", "600", "--no-metrics", "--balance-stages", "--",
                         "deepspeed", "--num_gpus", "2", str(SCRIPT), "--deepspeed_config", "ds.json",
                         "--steps", "100000", cwd=cwd, env=_env())
